@@ -1,0 +1,221 @@
+//! The `Communicator` trait every backend implements, the descriptors that collectives carry,
+//! and the chunking rule for uneven `reduce_scatter` / `all_gather`.
+
+use crate::elem::{Buf, BufMut, CommElem, DType, ReduceOp};
+use crate::error::Result;
+use std::fmt;
+use std::time::Duration;
+
+/// Which collective a rank called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OpKind {
+    /// [`Communicator::all_reduce_buf`].
+    AllReduce,
+    /// [`Communicator::reduce_scatter_buf`].
+    ReduceScatter,
+    /// [`Communicator::all_gather_buf`].
+    AllGather,
+    /// [`Communicator::broadcast_buf`].
+    Broadcast,
+    /// [`Communicator::barrier`].
+    Barrier,
+    /// [`Communicator::split`].
+    Split,
+}
+
+impl OpKind {
+    /// Lowercase name, as in error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllGather => "all_gather",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Barrier => "barrier",
+            OpKind::Split => "split",
+        }
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What one rank asked of a collective: every rank of a group must present a matching
+/// descriptor, or all of them get [`crate::CommError::Mismatch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Descriptor {
+    /// Sequence number of this collective on this communicator (0 for the first call).
+    pub seq: u64,
+    /// The collective.
+    pub op: OpKind,
+    /// Element type (`None` for barrier and split).
+    pub dtype: Option<DType>,
+    /// Length of the whole logical buffer: the all-reduced or broadcast buffer, the
+    /// reduce-scatter input, the all-gather output.
+    pub len: usize,
+    /// The reduction, for all-reduce and reduce-scatter.
+    pub reduce: Option<ReduceOp>,
+    /// The root rank, for broadcast.
+    pub root: Option<usize>,
+}
+
+impl Descriptor {
+    /// True when two ranks' descriptors describe the same collective call.
+    pub fn matches(&self, other: &Descriptor) -> bool {
+        self == other
+    }
+}
+
+impl fmt::Display for Descriptor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}(seq {}", self.op, self.seq)?;
+        if let Some(d) = self.dtype {
+            write!(f, ", {d}, len {}", self.len)?;
+        }
+        if let Some(r) = self.reduce {
+            write!(f, ", {r}")?;
+        }
+        if let Some(r) = self.root {
+            write!(f, ", root {r}")?;
+        }
+        f.write_str(")")
+    }
+}
+
+/// The chunking rule for `reduce_scatter` and `all_gather` over `world` ranks.
+///
+/// A logical buffer of `len` elements is cut into `world` contiguous chunks in rank order; the
+/// first `len % world` ranks get one element more than the others
+/// (`len / world + 1`, then `len / world`). Rank `r`'s chunk is `chunk_range(len, world, r)`.
+/// The same rule serves ZeRO's parameter and optimizer shards.
+///
+/// ```
+/// use kiln_comm::chunk_range;
+/// assert_eq!(chunk_range(7, 3, 0), 0..3);
+/// assert_eq!(chunk_range(7, 3, 1), 3..5);
+/// assert_eq!(chunk_range(7, 3, 2), 5..7);
+/// assert_eq!(chunk_range(2, 4, 3), 2..2);
+/// ```
+pub fn chunk_range(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+    if world == 0 {
+        return 0..0;
+    }
+    let base = len / world;
+    let extra = len % world;
+    let start = |r: usize| r * base + r.min(extra);
+    let r = rank.min(world);
+    start(r)..start((r + 1).min(world))
+}
+
+/// Collective communication among the ranks of a group.
+///
+/// Object safe: hold a `Box<dyn Communicator>` or `Arc<dyn Communicator>` and call the typed
+/// helpers of [`CommExt`] (`all_reduce(&mut [f32], ReduceOp::Sum)` and so on), which every
+/// communicator gets for free.
+///
+/// Contract for every backend:
+/// - every rank of the group calls the same collectives in the same order; a rank that calls a
+///   different collective, dtype or length gets [`crate::CommError::Mismatch`] naming both ranks
+///   (never a hang);
+/// - every blocking call returns [`crate::CommError::Timeout`] after [`Communicator::timeout`],
+///   and fails early with [`crate::CommError::RankGone`] when a rank it waits for has exited;
+/// - reductions are deterministic: the same inputs give bitwise the same output on every rank
+///   and in every run; f16 and bf16 accumulate in f32.
+pub trait Communicator: Send + Sync {
+    /// This rank's index in the group, `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+    /// How long a blocking call waits for the other ranks before it fails.
+    fn timeout(&self) -> Duration;
+    /// Short name of the backend (`thread`, `mpi`, `nccl`).
+    fn backend(&self) -> &'static str;
+    /// The descriptor of the last collective this rank entered, if any (for hang diagnostics).
+    fn last_collective(&self) -> Option<Descriptor>;
+
+    /// Reduces `buf` element-wise over all ranks; every rank receives the result.
+    fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Reduces `input` (the same length on every rank) element-wise and leaves in `output` this
+    /// rank's chunk of the result, per [`chunk_range`].
+    fn reduce_scatter_buf(&self, input: Buf<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<()>;
+    /// Concatenates every rank's `input` (rank `r` holding `chunk_range(output.len(), world, r)`)
+    /// into `output` on every rank.
+    fn all_gather_buf(&self, input: Buf<'_>, output: BufMut<'_>) -> Result<()>;
+    /// Copies `root`'s `buf` into `buf` on every rank.
+    fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> Result<()>;
+    /// Blocks until every rank has called `barrier`.
+    fn barrier(&self) -> Result<()>;
+    /// Splits the group: ranks passing the same `color` form a new group, ordered by `key` then
+    /// by their rank here (MPI's `MPI_Comm_split`). Collective over this group.
+    fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>>;
+}
+
+/// Typed helpers over [`Communicator`], implemented for every communicator (boxed or not).
+pub trait CommExt: Communicator {
+    /// All-reduce a typed slice in place.
+    fn all_reduce<T: CommElem>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce_buf(T::buf_mut(buf), op)
+    }
+    /// Reduce-scatter a typed slice; `output` holds this rank's chunk.
+    fn reduce_scatter<T: CommElem>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_buf(T::buf(input), T::buf_mut(output), op)
+    }
+    /// All-gather typed chunks into `output`.
+    fn all_gather<T: CommElem>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.all_gather_buf(T::buf(input), T::buf_mut(output))
+    }
+    /// Broadcast a typed slice from `root`.
+    fn broadcast<T: CommElem>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.broadcast_buf(T::buf_mut(buf), root)
+    }
+    /// All-reduce one value and return the result.
+    fn all_reduce_scalar<T: CommElem>(&self, value: T, op: ReduceOp) -> Result<T> {
+        let mut v = [value];
+        self.all_reduce_buf(T::buf_mut(&mut v), op)?;
+        Ok(v[0])
+    }
+    /// The range of a buffer of `len` elements that this rank owns under [`chunk_range`].
+    fn my_chunk(&self, len: usize) -> std::ops::Range<usize> {
+        chunk_range(len, self.world_size(), self.rank())
+    }
+}
+
+impl<C: Communicator + ?Sized> CommExt for C {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_exactly_once() {
+        for len in [0usize, 1, 2, 7, 8, 1000, 1001] {
+            for world in 1..=9 {
+                let mut next = 0;
+                for r in 0..world {
+                    let c = chunk_range(len, world, r);
+                    assert_eq!(c.start, next);
+                    assert!(c.len() == len / world || c.len() == len / world + 1);
+                    next = c.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+
+    #[test]
+    fn descriptor_display_names_everything() {
+        let d = Descriptor {
+            seq: 3,
+            op: OpKind::AllReduce,
+            dtype: Some(DType::F32),
+            len: 7,
+            reduce: Some(ReduceOp::Sum),
+            root: None,
+        };
+        assert_eq!(d.to_string(), "all_reduce(seq 3, f32, len 7, sum)");
+    }
+}

@@ -1,0 +1,45 @@
+//! Collective communication for kiln: one [`Communicator`] trait, and the backends behind it.
+//!
+//! - [`Communicator`]: `rank`, `world_size`, `all_reduce`, `reduce_scatter`, `all_gather`,
+//!   `broadcast`, `barrier` and `split` into sub-groups, object safe; the typed helpers live in
+//!   [`CommExt`] (`all_reduce(&mut [f32], ReduceOp::Sum)`).
+//! - [`ThreadComm`]: the ranks are threads of one process exchanging through shared memory; the
+//!   embedded default on which every kiln test and example runs. [`spawn`] runs a closure on N
+//!   ranks.
+//! - Element types through the sealed [`CommElem`]: f32, f64, f16, bf16, i64, u32; f16 and bf16
+//!   reduce in f32. Reductions are deterministic (fixed rank order).
+//! - Faults are errors, never hangs: every wait has a timeout ([`CommError::Timeout`]), a rank
+//!   that exited is noticed ([`CommError::RankGone`]), and ranks that disagree on the collective
+//!   get [`CommError::Mismatch`] naming both calls.
+//! - Uneven `reduce_scatter` / `all_gather` follow [`chunk_range`].
+//!
+//! ```
+//! use kiln_comm::{spawn, CommExt, Communicator, ReduceOp};
+//!
+//! let out = spawn(4, |comm| {
+//!     // each rank holds its rank number in 6 slots
+//!     let grads = vec![comm.rank() as f32; 6];
+//!     let mut avg = grads.clone();
+//!     comm.all_reduce(&mut avg, ReduceOp::Avg)?;
+//!     // ZeRO-style: each rank keeps only its chunk of the sum
+//!     let mut shard = vec![0.0f32; comm.my_chunk(6).len()];
+//!     comm.reduce_scatter(&grads, &mut shard, ReduceOp::Sum)?;
+//!     Ok::<_, kiln_comm::CommError>((avg[0], shard))
+//! })
+//! .unwrap();
+//! assert_eq!(out[0], (1.5, vec![6.0, 6.0]));
+//! assert_eq!(out[3], (1.5, vec![6.0]));
+//! ```
+#![deny(missing_docs)]
+
+mod communicator;
+mod elem;
+mod error;
+mod thread;
+
+pub use communicator::{chunk_range, CommExt, Communicator, Descriptor, OpKind};
+pub use elem::{Buf, BufMut, CommElem, DType, ReduceOp};
+pub use error::{CommError, Result};
+pub use thread::{
+    spawn, spawn_with, RankError, RankFailure, ThreadComm, ThreadCommConfig, DEFAULT_TIMEOUT,
+};

@@ -1,0 +1,827 @@
+//! `ThreadComm`: the ranks of a group are threads of one process and exchange data through
+//! shared memory.
+//!
+//! # How a collective runs
+//! Each collective is a *round* of the group. A rank entering a round publishes its
+//! [`Descriptor`] and raw pointers to its buffers in its slot, under the group's mutex. The last
+//! rank to arrive checks all descriptors (mismatch, lengths, root) and opens the round. Then every
+//! rank works, without the lock, on its own part: for all-reduce, rank `r` reduces chunk `r` of the
+//! logical buffer (per [`chunk_range`]) across all ranks' buffers in rank order and writes the
+//! result into chunk `r` of every rank's buffer; chunks are disjoint, so no two threads touch the
+//! same bytes, and the accumulation order does not depend on thread timing. Finally every rank
+//! waits until all ranks have finished their part, so no buffer is released while another rank
+//! still reads or writes it.
+//!
+//! # Faults
+//! While waiting for the others to arrive, a rank gives up after the timeout
+//! ([`CommError::Timeout`]) or as soon as a missing rank's thread has exited
+//! ([`CommError::RankGone`]); it withdraws its slot under the lock before returning, so its
+//! buffers are never touched after it leaves. Once a round is open, the remaining work is bounded
+//! memory copying, and a drop guard marks a rank's part finished even if it unwinds.
+
+use crate::communicator::{chunk_range, Communicator, Descriptor, OpKind};
+use crate::elem::{reduce_into, Buf, BufMut, DType, Reduce, ReduceOp};
+use crate::error::{CommError, Result};
+use half::{bf16, f16};
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Default time a blocking call waits for the other ranks (as `torch.distributed`'s default).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How often a waiting rank re-checks whether a missing rank has exited.
+const LIVENESS_TICK: Duration = Duration::from_millis(10);
+
+/// Options of a [`ThreadComm`] group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadCommConfig {
+    /// How long a blocking call waits for the other ranks (default 300 s).
+    pub timeout: Duration,
+}
+
+impl Default for ThreadCommConfig {
+    fn default() -> Self {
+        Self {
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+impl ThreadCommConfig {
+    /// The default configuration with another timeout.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        Self { timeout }
+    }
+}
+
+/// Liveness of the world's ranks, shared by every group split from the same world.
+#[derive(Debug)]
+struct Liveness {
+    departed: Vec<AtomicBool>,
+}
+
+/// Held by every handle of one world rank; the rank counts as exited when the last one drops
+/// (its thread returned, panicked, or dropped all its communicators).
+#[derive(Debug)]
+struct RankToken {
+    world_rank: usize,
+    liveness: Arc<Liveness>,
+}
+
+impl Drop for RankToken {
+    fn drop(&mut self) {
+        if let Some(flag) = self.liveness.departed.get(self.world_rank) {
+            flag.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A buffer's address and length as published by its owner for one round.
+#[derive(Debug, Clone, Copy)]
+struct RawBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a `RawBuf` is only dereferenced during an open round, while its owner is blocked inside
+// the same collective (it cannot return before every rank has finished its part), and each byte
+// is accessed by at most one thread at a time per the chunk partition described in the module
+// docs. Sending the address to another thread is therefore sound.
+unsafe impl Send for RawBuf {}
+
+impl RawBuf {
+    const EMPTY: RawBuf = RawBuf {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+    };
+    fn of(b: &Buf<'_>) -> Self {
+        let bytes = b.as_bytes();
+        RawBuf {
+            ptr: bytes.as_ptr().cast_mut(),
+            len: b.len(),
+        }
+    }
+    fn of_mut(b: &mut BufMut<'_>) -> Self {
+        let len = b.len();
+        RawBuf {
+            ptr: b.as_bytes_mut().as_mut_ptr(),
+            len,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    desc: Descriptor,
+    input: RawBuf,
+    output: RawBuf,
+    split: (u32, u32),
+    /// A fault found by this rank in its own arguments, reported to every rank.
+    local_error: Option<LocalFault>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum LocalFault {
+    Dtype { input: DType, output: DType },
+}
+
+#[derive(Debug)]
+struct RoundState {
+    /// The round being gathered or run.
+    round: u64,
+    /// Rounds fully completed (round `r` is complete once `completed > r`).
+    completed: u64,
+    arrived: usize,
+    slots: Vec<Option<Slot>>,
+    running: bool,
+    done: usize,
+    /// The decision of the last arriver: `None` to proceed, or the error every rank returns.
+    verdict: Option<CommError>,
+    /// Results of a split, per rank of this group.
+    split_out: Vec<Option<(Arc<Group>, usize)>>,
+}
+
+#[derive(Debug)]
+struct Group {
+    /// Group rank to world rank.
+    world_ranks: Vec<usize>,
+    liveness: Arc<Liveness>,
+    state: Mutex<RoundState>,
+    cv: Condvar,
+}
+
+impl Group {
+    fn new(world_ranks: Vec<usize>, liveness: Arc<Liveness>) -> Arc<Self> {
+        let n = world_ranks.len();
+        Arc::new(Group {
+            world_ranks,
+            liveness,
+            state: Mutex::new(RoundState {
+                round: 0,
+                completed: 0,
+                arrived: 0,
+                slots: vec![None; n],
+                running: false,
+                done: 0,
+                verdict: None,
+                split_out: vec![None; n],
+            }),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn size(&self) -> usize {
+        self.world_ranks.len()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, RoundState> {
+        // A panic while holding this lock cannot leave the state half-updated in a way that
+        // matters more than the panic itself; keep serving the other ranks.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn departed(&self, group_rank: usize) -> bool {
+        self.world_ranks
+            .get(group_rank)
+            .and_then(|w| self.liveness.departed.get(*w))
+            .is_some_and(|f| f.load(Ordering::SeqCst))
+    }
+}
+
+/// One rank's handle on a group of thread ranks. See the module docs for the protocol.
+///
+/// Create a whole group with [`spawn`] (one thread per rank) or [`ThreadComm::group`] (you run
+/// the threads).
+#[derive(Debug)]
+pub struct ThreadComm {
+    group: Arc<Group>,
+    rank: usize,
+    seq: AtomicU64,
+    last: Mutex<Option<Descriptor>>,
+    timeout: Duration,
+    token: Arc<RankToken>,
+}
+
+impl ThreadComm {
+    /// Creates the handles of a new group of `world` ranks, one per rank, to be moved into one
+    /// thread each. A rank counts as exited once its handle (and every communicator split from
+    /// it) is dropped.
+    pub fn group(world: usize, config: ThreadCommConfig) -> Result<Vec<ThreadComm>> {
+        if world == 0 {
+            return Err(CommError::Config("world size must be at least 1, got 0".into()));
+        }
+        let liveness = Arc::new(Liveness {
+            departed: (0..world).map(|_| AtomicBool::new(false)).collect(),
+        });
+        let group = Group::new((0..world).collect(), liveness.clone());
+        Ok((0..world)
+            .map(|rank| ThreadComm {
+                group: group.clone(),
+                rank,
+                seq: AtomicU64::new(0),
+                last: Mutex::new(None),
+                timeout: config.timeout,
+                token: Arc::new(RankToken {
+                    world_rank: rank,
+                    liveness: liveness.clone(),
+                }),
+            })
+            .collect())
+    }
+
+    fn descriptor(
+        &self,
+        op: OpKind,
+        dtype: Option<DType>,
+        len: usize,
+        reduce: Option<ReduceOp>,
+        root: Option<usize>,
+    ) -> Descriptor {
+        Descriptor {
+            seq: self.seq.load(Ordering::SeqCst),
+            op,
+            dtype,
+            len,
+            reduce,
+            root,
+        }
+    }
+
+    /// Runs one round: publish, wait for all, check, work, wait until all finished.
+    fn round(&self, slot: Slot) -> Result<Option<(Arc<Group>, usize)>> {
+        let g = &*self.group;
+        let n = g.size();
+        let me = self.rank;
+        let op = slot.desc.op;
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(slot.desc);
+        let start = Instant::now();
+
+        let mut st = g.lock();
+        if st.slots[me].is_some() || st.running {
+            return Err(CommError::Config(format!(
+                "rank {me} entered {op} while another collective of this communicator was in \
+                 flight (one communicator is used from two threads at once)"
+            )));
+        }
+        let round = st.round;
+        st.slots[me] = Some(slot);
+        st.arrived += 1;
+        if st.arrived == n {
+            let slots: Vec<Slot> = st.slots.iter().flatten().copied().collect();
+            st.verdict = check_round(&slots, n);
+            if st.verdict.is_none() && op == OpKind::Split {
+                st.split_out = plan_split(g, &slots);
+            }
+            st.running = true;
+            st.done = 0;
+            g.cv.notify_all();
+        } else {
+            loop {
+                if st.running && st.round == round {
+                    break;
+                }
+                let waited = start.elapsed();
+                if waited >= self.timeout {
+                    st.slots[me] = None;
+                    st.arrived -= 1;
+                    let missing = (0..n).filter(|&r| st.slots[r].is_none() && r != me).collect();
+                    return Err(CommError::Timeout {
+                        op,
+                        rank: me,
+                        waited,
+                        missing,
+                    });
+                }
+                if let Some(gone) = (0..n).find(|&r| st.slots[r].is_none() && g.departed(r)) {
+                    st.slots[me] = None;
+                    st.arrived -= 1;
+                    return Err(CommError::RankGone {
+                        op,
+                        rank: me,
+                        gone,
+                        waited,
+                    });
+                }
+                let tick = LIVENESS_TICK.min(self.timeout - waited);
+                st = g
+                    .cv
+                    .wait_timeout(st, tick)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+        }
+
+        // The round is open: take what we need and work without the lock.
+        let slots: Vec<Slot> = st.slots.iter().flatten().copied().collect();
+        let verdict = st.verdict.clone();
+        let split = st.split_out[me].take();
+        drop(st);
+
+        {
+            let _finish = FinishGuard { group: g, round };
+            if verdict.is_none() && slots.len() == n {
+                // SAFETY: the round is open, so every rank published valid buffers matching the
+                // checked descriptors and stays inside this collective until all ranks have
+                // dropped their `FinishGuard`; `work` touches only this rank's part.
+                unsafe { work(&slots, me, n) };
+            }
+        }
+
+        let mut st = g.lock();
+        while st.completed <= round {
+            st = g.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(st);
+        self.seq.fetch_add(1, Ordering::SeqCst);
+        match verdict {
+            None => Ok(split),
+            Some(CommError::Mismatch {
+                first_rank,
+                first,
+                second_rank,
+                second,
+                ..
+            }) => Err(CommError::Mismatch {
+                rank: me,
+                first_rank,
+                first,
+                second_rank,
+                second,
+            }),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+/// Marks this rank's part of a round finished, also when unwinding.
+struct FinishGuard<'a> {
+    group: &'a Group,
+    round: u64,
+}
+
+impl Drop for FinishGuard<'_> {
+    fn drop(&mut self) {
+        let g = self.group;
+        let mut st = g.lock();
+        st.done += 1;
+        if st.done == g.size() && st.round == self.round {
+            let n = g.size();
+            st.completed = self.round + 1;
+            st.round = self.round + 1;
+            st.arrived = 0;
+            st.running = false;
+            st.done = 0;
+            st.verdict = None;
+            st.slots = vec![None; n];
+            g.cv.notify_all();
+        }
+    }
+}
+
+/// Checks all descriptors of a round; the error every rank will return, if any.
+fn check_round(slots: &[Slot], n: usize) -> Option<CommError> {
+    let first = slots.first()?.desc;
+    if let Some((k, s)) = slots
+        .iter()
+        .enumerate()
+        .find(|(_, s)| !s.desc.matches(&first))
+    {
+        return Some(CommError::Mismatch {
+            rank: 0,
+            first_rank: 0,
+            first,
+            second_rank: k,
+            second: s.desc,
+        });
+    }
+    for (r, s) in slots.iter().enumerate() {
+        if let Some(LocalFault::Dtype { input, output }) = s.local_error {
+            return Some(CommError::DtypeMismatch {
+                op: first.op,
+                rank: r,
+                input,
+                output,
+            });
+        }
+        let chunk = chunk_range(first.len, n, r).len();
+        let bad = match first.op {
+            OpKind::ReduceScatter => Some(("output", chunk, s.output.len)),
+            OpKind::AllGather => Some(("input", chunk, s.input.len)),
+            _ => None,
+        };
+        if let Some((what, expected, got)) = bad.filter(|(_, e, g)| e != g) {
+            return Some(CommError::BadLength {
+                op: first.op,
+                rank: r,
+                what,
+                expected,
+                got,
+            });
+        }
+    }
+    if let Some(root) = first.root.filter(|&root| root >= n) {
+        return Some(CommError::BadRoot {
+            op: first.op,
+            root,
+            world: n,
+        });
+    }
+    None
+}
+
+/// Builds the sub-groups of a split: same color together, ordered by (key, rank).
+fn plan_split(g: &Group, slots: &[Slot]) -> Vec<Option<(Arc<Group>, usize)>> {
+    let n = slots.len();
+    let mut out = vec![None; n];
+    let mut colors: Vec<u32> = slots.iter().map(|s| s.split.0).collect();
+    colors.sort_unstable();
+    colors.dedup();
+    for color in colors {
+        let mut members: Vec<usize> = (0..n).filter(|&r| slots[r].split.0 == color).collect();
+        members.sort_by_key(|&r| (slots[r].split.1, r));
+        let world_ranks = members.iter().map(|&r| g.world_ranks[r]).collect();
+        let sub = Group::new(world_ranks, g.liveness.clone());
+        for (new_rank, &r) in members.iter().enumerate() {
+            out[r] = Some((sub.clone(), new_rank));
+        }
+    }
+    out
+}
+
+macro_rules! dispatch {
+    ($dtype:expr, $f:ident, $($arg:expr),*) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            DType::I64 => $f::<i64>($($arg),*),
+            DType::U32 => $f::<u32>($($arg),*),
+        }
+    };
+}
+
+/// This rank's part of an open round.
+///
+/// # Safety
+/// `slots` are the published slots of an open round whose descriptors passed [`check_round`],
+/// and every owner stays in the collective until all parts are finished.
+unsafe fn work(slots: &[Slot], me: usize, n: usize) {
+    let desc = slots[me].desc;
+    let Some(dtype) = desc.dtype else { return };
+    match desc.op {
+        OpKind::AllReduce => {
+            let op = desc.reduce.unwrap_or(ReduceOp::Sum);
+            // SAFETY: forwarded from the caller.
+            unsafe { dispatch!(dtype, all_reduce_part, slots, me, n, op) }
+        }
+        OpKind::ReduceScatter => {
+            let op = desc.reduce.unwrap_or(ReduceOp::Sum);
+            // SAFETY: forwarded from the caller.
+            unsafe { dispatch!(dtype, reduce_scatter_part, slots, me, n, op) }
+        }
+        OpKind::AllGather => {
+            let esz = dtype.size_in_bytes();
+            for (j, s) in slots.iter().enumerate() {
+                let dst = chunk_range(desc.len, n, j);
+                // SAFETY: rank j's input has `dst.len()` elements (checked); this rank's output
+                // has `desc.len` elements and only this rank writes it.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        s.input.ptr,
+                        slots[me].output.ptr.add(dst.start * esz),
+                        dst.len() * esz,
+                    )
+                };
+            }
+        }
+        OpKind::Broadcast => {
+            let root = desc.root.unwrap_or(0);
+            if root != me {
+                let bytes = desc.len * dtype.size_in_bytes();
+                // SAFETY: root's buffer and ours both hold `desc.len` elements; root only reads
+                // during the round and only this rank writes its own buffer.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        slots[root].output.ptr,
+                        slots[me].output.ptr,
+                        bytes,
+                    )
+                };
+            }
+        }
+        OpKind::Barrier | OpKind::Split => {}
+    }
+}
+
+/// # Safety
+/// See [`work`]; every slot's `output` holds `len` elements of `T`.
+unsafe fn all_reduce_part<T: Reduce>(slots: &[Slot], me: usize, n: usize, op: ReduceOp) {
+    let range = chunk_range(slots[me].desc.len, n, me);
+    let ptrs: Vec<*mut T> = slots
+        .iter()
+        // SAFETY: `range` lies within every rank's buffer of `len` elements.
+        .map(|s| unsafe { s.output.ptr.cast::<T>().add(range.start) })
+        .collect();
+    let srcs: Vec<*const T> = ptrs.iter().map(|p| p.cast_const()).collect();
+    // SAFETY: chunk `me` of every buffer is touched by this rank only during the round.
+    unsafe { reduce_into(&srcs, &ptrs, range.len(), op) };
+}
+
+/// # Safety
+/// See [`work`]; every slot's `input` holds `len` elements of `T`, ours `output` our chunk.
+unsafe fn reduce_scatter_part<T: Reduce>(slots: &[Slot], me: usize, n: usize, op: ReduceOp) {
+    let range = chunk_range(slots[me].desc.len, n, me);
+    let srcs: Vec<*const T> = slots
+        .iter()
+        // SAFETY: `range` lies within every rank's input of `len` elements.
+        .map(|s| unsafe { s.input.ptr.cast::<T>().cast_const().add(range.start) })
+        .collect();
+    let dst = [slots[me].output.ptr.cast::<T>()];
+    // SAFETY: inputs are only read during the round; our output is written only by us.
+    unsafe { reduce_into(&srcs, &dst, range.len(), op) };
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.size()
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn backend(&self) -> &'static str {
+        "thread"
+    }
+
+    fn last_collective(&self) -> Option<Descriptor> {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn all_reduce_buf(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let desc = self.descriptor(
+            OpKind::AllReduce,
+            Some(buf.dtype()),
+            buf.len(),
+            Some(op),
+            None,
+        );
+        let out = RawBuf::of_mut(&mut buf);
+        self.round(Slot {
+            desc,
+            input: out,
+            output: out,
+            split: (0, 0),
+            local_error: None,
+        })
+        .map(|_| ())
+    }
+
+    fn reduce_scatter_buf(&self, input: Buf<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let desc = self.descriptor(
+            OpKind::ReduceScatter,
+            Some(input.dtype()),
+            input.len(),
+            Some(op),
+            None,
+        );
+        let local_error = (input.dtype() != output.dtype()).then_some(LocalFault::Dtype {
+            input: input.dtype(),
+            output: output.dtype(),
+        });
+        self.round(Slot {
+            desc,
+            input: RawBuf::of(&input),
+            output: RawBuf::of_mut(&mut output),
+            split: (0, 0),
+            local_error,
+        })
+        .map(|_| ())
+    }
+
+    fn all_gather_buf(&self, input: Buf<'_>, mut output: BufMut<'_>) -> Result<()> {
+        let desc = self.descriptor(
+            OpKind::AllGather,
+            Some(output.dtype()),
+            output.len(),
+            None,
+            None,
+        );
+        let local_error = (input.dtype() != output.dtype()).then_some(LocalFault::Dtype {
+            input: input.dtype(),
+            output: output.dtype(),
+        });
+        self.round(Slot {
+            desc,
+            input: RawBuf::of(&input),
+            output: RawBuf::of_mut(&mut output),
+            split: (0, 0),
+            local_error,
+        })
+        .map(|_| ())
+    }
+
+    fn broadcast_buf(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        let desc = self.descriptor(
+            OpKind::Broadcast,
+            Some(buf.dtype()),
+            buf.len(),
+            None,
+            Some(root),
+        );
+        let out = RawBuf::of_mut(&mut buf);
+        self.round(Slot {
+            desc,
+            input: out,
+            output: out,
+            split: (0, 0),
+            local_error: None,
+        })
+        .map(|_| ())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let desc = self.descriptor(OpKind::Barrier, None, 0, None, None);
+        self.round(Slot {
+            desc,
+            input: RawBuf::EMPTY,
+            output: RawBuf::EMPTY,
+            split: (0, 0),
+            local_error: None,
+        })
+        .map(|_| ())
+    }
+
+    fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
+        let desc = self.descriptor(OpKind::Split, None, 0, None, None);
+        let out = self.round(Slot {
+            desc,
+            input: RawBuf::EMPTY,
+            output: RawBuf::EMPTY,
+            split: (color, key),
+            local_error: None,
+        })?;
+        let (group, rank) = out.ok_or_else(|| {
+            CommError::Config(format!("split on rank {} produced no group", self.rank))
+        })?;
+        Ok(Box::new(ThreadComm {
+            group,
+            rank,
+            seq: AtomicU64::new(0),
+            last: Mutex::new(None),
+            timeout: self.timeout,
+            token: self.token.clone(),
+        }))
+    }
+}
+
+/// Why a rank of [`spawn`] failed.
+#[derive(Debug)]
+pub enum RankFailure<E> {
+    /// The closure returned an error.
+    Error(E),
+    /// The closure panicked, with this message.
+    Panicked(String),
+}
+
+/// The first rank (in time) whose closure failed under [`spawn`].
+#[derive(Debug, thiserror::Error)]
+#[error("rank {rank} failed: {}{}", match .failure { RankFailure::Error(e) => e.to_string(), RankFailure::Panicked(m) => format!("panicked: {m}") }, if .also_failed.is_empty() { String::new() } else { format!(" (then ranks {:?} failed too)", .also_failed) })]
+pub struct RankError<E: std::fmt::Display + std::fmt::Debug> {
+    /// The rank that failed first.
+    pub rank: usize,
+    /// What happened.
+    pub failure: RankFailure<E>,
+    /// Ranks that failed after it, in the order they failed (often as a consequence).
+    pub also_failed: Vec<usize>,
+}
+
+impl<E: std::fmt::Display + std::fmt::Debug> RankError<E> {
+    /// The error returned by the first failing rank, if it returned one rather than panicking.
+    pub fn error(&self) -> Option<&E> {
+        match &self.failure {
+            RankFailure::Error(e) => Some(e),
+            RankFailure::Panicked(_) => None,
+        }
+    }
+}
+
+fn panic_message(p: Box<dyn Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_string()
+    }
+}
+
+/// Runs `f` on `world` ranks, one thread each, with the default configuration, and returns every
+/// rank's result in rank order, or the first failure in time (see [`RankError`]).
+///
+/// ```
+/// use kiln_comm::{spawn, CommExt, Communicator, ReduceOp};
+/// let sums = spawn(3, |comm| {
+///     let mut v = [comm.rank() as f32, 1.0];
+///     comm.all_reduce(&mut v, ReduceOp::Sum)?;
+///     Ok::<_, kiln_comm::CommError>(v)
+/// })
+/// .unwrap();
+/// assert_eq!(sums, vec![[3.0, 3.0]; 3]);
+/// ```
+pub fn spawn<R, E, F>(world: usize, f: F) -> std::result::Result<Vec<R>, RankError<E>>
+where
+    F: Fn(ThreadComm) -> std::result::Result<R, E> + Sync,
+    R: Send,
+    E: Send + std::fmt::Display + std::fmt::Debug,
+    E: From<CommError>,
+{
+    spawn_with(ThreadCommConfig::default(), world, f)
+}
+
+/// [`spawn`] with a configuration (for example a short timeout in tests).
+pub fn spawn_with<R, E, F>(
+    config: ThreadCommConfig,
+    world: usize,
+    f: F,
+) -> std::result::Result<Vec<R>, RankError<E>>
+where
+    F: Fn(ThreadComm) -> std::result::Result<R, E> + Sync,
+    R: Send,
+    E: Send + std::fmt::Display + std::fmt::Debug,
+    E: From<CommError>,
+{
+    let comms = match ThreadComm::group(world, config) {
+        Ok(c) => c,
+        Err(e) => {
+            return Err(RankError {
+                rank: 0,
+                failure: RankFailure::Error(E::from(e)),
+                also_failed: Vec::new(),
+            })
+        }
+    };
+    let order = AtomicUsize::new(0);
+    let f = &f;
+    let order = &order;
+    let outcomes: Vec<(usize, std::result::Result<R, RankFailure<E>>)> =
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    std::thread::Builder::new()
+                        .name(format!("kiln-rank-{rank}"))
+                        .spawn_scoped(scope, move || {
+                            let out = match catch_unwind(AssertUnwindSafe(|| f(comm))) {
+                                Ok(Ok(r)) => Ok(r),
+                                Ok(Err(e)) => Err(RankFailure::Error(e)),
+                                Err(p) => Err(RankFailure::Panicked(panic_message(p))),
+                            };
+                            (order.fetch_add(1, Ordering::SeqCst), out)
+                        })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| match h {
+                    Ok(h) => h.join().unwrap_or_else(|p| {
+                        (usize::MAX, Err(RankFailure::Panicked(panic_message(p))))
+                    }),
+                    Err(e) => (
+                        usize::MAX,
+                        Err(RankFailure::Error(E::from(CommError::Config(format!(
+                            "could not start the thread of rank {rank}: {e}"
+                        ))))),
+                    ),
+                })
+                .collect()
+        });
+    let mut failures: Vec<(usize, usize, RankFailure<E>)> = Vec::new();
+    let mut results = Vec::with_capacity(world);
+    for (rank, (when, out)) in outcomes.into_iter().enumerate() {
+        match out {
+            Ok(r) => results.push(r),
+            Err(e) => failures.push((when, rank, e)),
+        }
+    }
+    failures.sort_by_key(|(when, rank, _)| (*when, *rank));
+    let mut failures = failures.into_iter();
+    match failures.next() {
+        None => Ok(results),
+        Some((_, rank, failure)) => Err(RankError {
+            rank,
+            failure,
+            also_failed: failures.map(|(_, r, _)| r).collect(),
+        }),
+    }
+}
