@@ -161,7 +161,12 @@ pub trait CommExt: Communicator {
         self.all_reduce_buf(T::buf_mut(buf), op)
     }
     /// Reduce-scatter a typed slice; `output` holds this rank's chunk.
-    fn reduce_scatter<T: CommElem>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+    fn reduce_scatter<T: CommElem>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         self.reduce_scatter_buf(T::buf(input), T::buf_mut(output), op)
     }
     /// All-gather typed chunks into `output`.

@@ -211,7 +211,9 @@ impl ThreadComm {
     /// it) is dropped.
     pub fn group(world: usize, config: ThreadCommConfig) -> Result<Vec<ThreadComm>> {
         if world == 0 {
-            return Err(CommError::Config("world size must be at least 1, got 0".into()));
+            return Err(CommError::Config(
+                "world size must be at least 1, got 0".into(),
+            ));
         }
         let liveness = Arc::new(Liveness {
             departed: (0..world).map(|_| AtomicBool::new(false)).collect(),
@@ -287,7 +289,9 @@ impl ThreadComm {
                 if waited >= self.timeout {
                     st.slots[me] = None;
                     st.arrived -= 1;
-                    let missing = (0..n).filter(|&r| st.slots[r].is_none() && r != me).collect();
+                    let missing = (0..n)
+                        .filter(|&r| st.slots[r].is_none() && r != me)
+                        .collect();
                     return Err(CommError::Timeout {
                         op,
                         rank: me,
@@ -306,11 +310,10 @@ impl ThreadComm {
                     });
                 }
                 let tick = LIVENESS_TICK.min(self.timeout - waited);
-                st = g
-                    .cv
-                    .wait_timeout(st, tick)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
+                st =
+                    g.cv.wait_timeout(st, tick)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
             }
         }
 
@@ -585,7 +588,12 @@ impl Communicator for ThreadComm {
         .map(|_| ())
     }
 
-    fn reduce_scatter_buf(&self, input: Buf<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter_buf(
+        &self,
+        input: Buf<'_>,
+        mut output: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
         let desc = self.descriptor(
             OpKind::ReduceScatter,
             Some(input.dtype()),

@@ -1,0 +1,110 @@
+//! Bandwidth of kiln-comm's thread backend, in NCCL's terms.
+//!
+//! Prints one JSON line per (op, bytes, world) with the algorithm bandwidth (`algbw_gbps`:
+//! bytes / time) and bus bandwidth (`busbw_gbps`: algbw x 2(n-1)/n for all-reduce, (n-1)/n for
+//! reduce-scatter and all-gather, 1 for broadcast), next to this machine's memcpy bandwidth
+//! measured in the same run (`memcpy_gbps`: bytes copied / time, the same convention as algbw).
+//! Times are medians over repetitions.
+//!
+//! Run: `cargo run --release --example bench_comm` (add `-- --quick` for fewer sizes).
+
+use kiln_comm::{spawn, CommError, CommExt, Communicator, ReduceOp};
+use std::time::Instant;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn reps_for(bytes: usize) -> usize {
+    (((256usize << 20) / bytes.max(1)).clamp(5, 200)) | 1
+}
+
+fn memcpy_gbps(bytes: usize) -> f64 {
+    let n = bytes / 4;
+    let src: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut dst = vec![0.0f32; n];
+    let times = (0..reps_for(bytes))
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&mut dst);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    bytes as f64 / median(times) / 1e9
+}
+
+/// Median seconds of one collective on `world` ranks, as rank 0 measures it between barriers.
+fn time_op(op: &'static str, world: usize, bytes: usize) -> Result<f64, CommError> {
+    let n = bytes / 4;
+    let reps = reps_for(bytes);
+    let times = spawn(world, |comm| {
+        let mut buf = vec![1.0f32; n];
+        let input = vec![1.0f32; n];
+        let mut shard = vec![0.0f32; comm.my_chunk(n).len()];
+        let mine = input[comm.my_chunk(n)].to_vec();
+        let mut times = Vec::with_capacity(reps);
+        for rep in 0..reps + 1 {
+            comm.barrier()?;
+            let t = Instant::now();
+            match op {
+                "all_reduce" => comm.all_reduce(&mut buf, ReduceOp::Sum)?,
+                "reduce_scatter" => comm.reduce_scatter(&input, &mut shard, ReduceOp::Sum)?,
+                "all_gather" => comm.all_gather(&mine, &mut buf)?,
+                _ => comm.broadcast(&mut buf, 0)?,
+            }
+            if rep > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        Ok::<_, CommError>(median(times))
+    })
+    .map_err(|e| e.failure_into_comm())?;
+    Ok(times.into_iter().fold(0.0, f64::max))
+}
+
+trait IntoComm {
+    fn failure_into_comm(self) -> CommError;
+}
+
+impl IntoComm for kiln_comm::RankError<CommError> {
+    fn failure_into_comm(self) -> CommError {
+        match self.failure {
+            kiln_comm::RankFailure::Error(e) => e,
+            kiln_comm::RankFailure::Panicked(m) => CommError::Config(m),
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let sizes: Vec<usize> = if quick {
+        vec![1 << 20, 64 << 20]
+    } else {
+        vec![4 << 10, 256 << 10, 4 << 20, 64 << 20]
+    };
+    let worlds = [2usize, 4, 8];
+    for &bytes in &sizes {
+        let memcpy = memcpy_gbps(bytes);
+        for &world in &worlds {
+            for op in ["all_reduce", "reduce_scatter", "all_gather", "broadcast"] {
+                let t = time_op(op, world, bytes)?;
+                let algbw = bytes as f64 / t / 1e9;
+                let n = world as f64;
+                let factor = match op {
+                    "all_reduce" => 2.0 * (n - 1.0) / n,
+                    "broadcast" => 1.0,
+                    _ => (n - 1.0) / n,
+                };
+                println!(
+                    "{{\"op\":\"{op}\",\"dtype\":\"f32\",\"bytes\":{bytes},\"world\":{world},\"time_us\":{:.1},\"algbw_gbps\":{algbw:.3},\"busbw_gbps\":{:.3},\"memcpy_gbps\":{memcpy:.3},\"algbw_over_memcpy\":{:.3}}}",
+                    t * 1e6,
+                    algbw * factor,
+                    algbw / memcpy
+                );
+            }
+        }
+    }
+    Ok(())
+}
