@@ -1,0 +1,114 @@
+//! The error type of kiln-model.
+
+use candle_core::DType;
+
+/// Everything building, running or sampling the model can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// A tensor operation failed inside candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// A size of the configuration is zero.
+    #[error("invalid config: {field} must be non-zero")]
+    ZeroDimension {
+        /// The config field.
+        field: &'static str,
+    },
+    /// The number of heads does not divide the model width.
+    #[error("invalid config: n_heads ({n_heads}) must divide d_model ({d_model})")]
+    HeadsDoNotDivide {
+        /// Attention heads.
+        n_heads: usize,
+        /// Model width.
+        d_model: usize,
+    },
+    /// A numeric setting is out of its valid range.
+    #[error("invalid value for {field}: {value} ({expected})")]
+    InvalidValue {
+        /// The setting.
+        field: &'static str,
+        /// The value given.
+        value: f64,
+        /// What the value must be.
+        expected: &'static str,
+    },
+    /// No preset has this name.
+    #[error("unknown model preset {name:?}: expected one of {known}")]
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// The preset names that exist.
+        known: String,
+    },
+    /// A tensor argument has the wrong shape.
+    #[error("{op}: {what} has shape {got}, expected {expected}")]
+    Shape {
+        /// The operation.
+        op: &'static str,
+        /// Which argument.
+        what: &'static str,
+        /// The shape required.
+        expected: String,
+        /// The shape passed.
+        got: String,
+    },
+    /// A tensor argument has the wrong element type.
+    #[error("{op}: {what} is {got:?}, expected {expected}")]
+    Dtype {
+        /// The operation.
+        op: &'static str,
+        /// Which argument.
+        what: &'static str,
+        /// The dtypes accepted.
+        expected: &'static str,
+        /// The dtype passed.
+        got: DType,
+    },
+    /// A sequence is longer than the model's context.
+    #[error("{op}: sequence length {got} exceeds the context of {max} positions")]
+    SequenceTooLong {
+        /// The operation.
+        op: &'static str,
+        /// The sequence length.
+        got: usize,
+        /// The model's context length.
+        max: usize,
+    },
+    /// A token id or a target is not below the vocabulary size.
+    #[error("{op}: {what} {value} at position {index} is out of range for a vocabulary of {vocab}")]
+    TokenOutOfRange {
+        /// The operation.
+        op: &'static str,
+        /// "token" or "target".
+        what: &'static str,
+        /// The flat position of the offending id.
+        index: usize,
+        /// The id.
+        value: u32,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A block index beyond the model's depth.
+    #[error("block {index} does not exist: the model has {n_blocks} blocks")]
+    BlockOutOfRange {
+        /// The index asked for.
+        index: usize,
+        /// The number of blocks.
+        n_blocks: usize,
+    },
+    /// Generation was asked to continue an empty prompt.
+    #[error("generate: the prompt is empty")]
+    EmptyPrompt,
+}
+
+/// Result alias of kiln-model.
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+impl ModelError {
+    /// Wraps this error into a candle error, for the places (custom op kernels) that must return
+    /// one; its message survives in the candle error.
+    pub(crate) fn into_candle(self) -> candle_core::Error {
+        candle_core::Error::wrap(self)
+    }
+}

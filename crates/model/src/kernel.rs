@@ -1,0 +1,250 @@
+//! Shared machinery of the fused CPU kernels: element types, contiguous access, row-parallel
+//! loops on candle's own worker pool.
+
+use candle_core::{CpuStorage, DType, Layout};
+use half::{bf16, f16};
+use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
+use std::sync::Mutex;
+
+/// The arithmetic type kernels compute in: f32 for f32/f16/bf16 storage, f64 for f64.
+pub(crate) trait Float:
+    Copy
+    + Send
+    + Sync
+    + PartialOrd
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+    + 'static
+{
+    const ZERO: Self;
+    const ONE: Self;
+    const NEG_INFINITY: Self;
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
+    fn max(self, other: Self) -> Self;
+}
+
+macro_rules! impl_float {
+    ($t:ty) => {
+        impl Float for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
+            #[inline(always)]
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            #[inline(always)]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline(always)]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline(always)]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline(always)]
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            #[inline(always)]
+            fn max(self, other: Self) -> Self {
+                <$t>::max(self, other)
+            }
+        }
+    };
+}
+impl_float!(f32);
+impl_float!(f64);
+
+/// A storage element type the fused kernels accept.
+pub(crate) trait Elem: Copy + Send + Sync + 'static {
+    /// The type arithmetic happens in.
+    type F: Float;
+    fn load(self) -> Self::F;
+    fn store(v: Self::F) -> Self;
+    fn into_storage(v: Vec<Self>) -> CpuStorage;
+}
+
+impl Elem for f32 {
+    type F = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn store(v: f32) -> Self {
+        v
+    }
+    fn into_storage(v: Vec<Self>) -> CpuStorage {
+        CpuStorage::F32(v)
+    }
+}
+impl Elem for f64 {
+    type F = f64;
+    #[inline(always)]
+    fn load(self) -> f64 {
+        self
+    }
+    #[inline(always)]
+    fn store(v: f64) -> Self {
+        v
+    }
+    fn into_storage(v: Vec<Self>) -> CpuStorage {
+        CpuStorage::F64(v)
+    }
+}
+impl Elem for f16 {
+    type F = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    fn into_storage(v: Vec<Self>) -> CpuStorage {
+        CpuStorage::F16(v)
+    }
+}
+impl Elem for bf16 {
+    type F = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    fn into_storage(v: Vec<Self>) -> CpuStorage {
+        CpuStorage::BF16(v)
+    }
+}
+
+/// The float dtypes the fused ops accept.
+pub(crate) const FLOAT_DTYPES: &str = "f32, f64, f16 or bf16";
+
+pub(crate) fn is_float(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+}
+
+/// The contiguous elements a layout covers.
+pub(crate) fn contiguous<'a, T>(data: &'a [T], layout: &Layout, op: &'static str) -> candle_core::Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) if end <= data.len() => Ok(&data[start..end]),
+        _ => Err(candle_core::Error::msg(format!(
+            "{op}: the kernel needs a contiguous input (the wrapper makes it so)"
+        ))),
+    }
+}
+
+/// Runs a generic kernel body for each float storage variant, binding the slice to `$v`;
+/// other dtypes are an error naming `$op`.
+macro_rules! with_float_storage {
+    ($storage:expr, $op:expr, |$v:ident| $body:expr) => {
+        match $storage {
+            candle_core::CpuStorage::F32($v) => $body,
+            candle_core::CpuStorage::F64($v) => $body,
+            candle_core::CpuStorage::F16($v) => $body,
+            candle_core::CpuStorage::BF16($v) => $body,
+            other => Err(candle_core::Error::UnsupportedDTypeForOp(candle_core::backend::BackendStorage::dtype(other), $op)),
+        }
+    };
+}
+pub(crate) use with_float_storage;
+
+/// The slice of `storage`, which must hold the same element type as `_like`.
+pub(crate) fn same_type<'a, T: Elem>(
+    _like: &[T],
+    storage: &'a CpuStorage,
+    op: &'static str,
+) -> candle_core::Result<&'a [T]> {
+    let any: &dyn std::any::Any = match storage {
+        CpuStorage::F32(v) => v,
+        CpuStorage::F64(v) => v,
+        CpuStorage::F16(v) => v,
+        CpuStorage::BF16(v) => v,
+        other => return Err(candle_core::Error::UnsupportedDTypeForOp(candle_core::backend::BackendStorage::dtype(other), op)),
+    };
+    any.downcast_ref::<Vec<T>>()
+        .map(|v| v.as_slice())
+        .ok_or_else(|| candle_core::Error::msg(format!("{op}: all float inputs must share one dtype")))
+}
+
+/// Work (in element-operations) below which a kernel runs on the calling thread.
+const PAR_MIN_WORK: usize = 64 * 1024;
+/// Target work per chunk.
+const CHUNK_WORK: usize = 32 * 1024;
+
+/// Splits `out` (rows of `row_len`) into chunks of whole rows, runs `f(first_row, chunk)` on
+/// each, on candle's worker pool when the total work is large, and returns the results in
+/// chunk order. The chunking depends only on the sizes, never on the thread count, so any
+/// reduction over the results is deterministic.
+pub(crate) fn par_rows<T, R, F>(
+    out: &mut [T],
+    row_len: usize,
+    work_per_row: usize,
+    f: F,
+) -> candle_core::Result<Vec<R>>
+where
+    T: Send,
+    R: Send,
+    F: Fn(usize, &mut [T]) -> R + Sync,
+{
+    if row_len == 0 || out.is_empty() {
+        return Ok(Vec::new());
+    }
+    let n_rows = out.len() / row_len;
+    let work_per_row = work_per_row.max(1);
+    let rows_per_chunk = (CHUNK_WORK / work_per_row).clamp(1, n_rows.max(1));
+    let n_chunks = n_rows.div_ceil(rows_per_chunk);
+    if n_chunks <= 1 || n_rows * work_per_row < PAR_MIN_WORK {
+        return Ok(out
+            .chunks_mut(rows_per_chunk * row_len)
+            .enumerate()
+            .map(|(c, chunk)| f(c * rows_per_chunk, chunk))
+            .collect());
+    }
+    let chunks: Vec<Mutex<Option<&mut [T]>>> = out
+        .chunks_mut(rows_per_chunk * row_len)
+        .map(|c| Mutex::new(Some(c)))
+        .collect();
+    let results: Vec<Mutex<Option<R>>> = (0..chunks.len()).map(|_| Mutex::new(None)).collect();
+    let run = |c: usize| {
+        let slice = chunks[c].lock().ok().and_then(|mut g| g.take());
+        if let Some(slice) = slice {
+            let r = f(c * rows_per_chunk, slice);
+            if let Ok(mut g) = results[c].lock() {
+                *g = Some(r);
+            }
+        }
+    };
+    candle_core::utils::barrier_pool().execute_chunked(chunks.len(), |range| range.for_each(run));
+    results
+        .into_iter()
+        .map(|m| m.into_inner().ok().flatten())
+        .collect::<Option<Vec<R>>>()
+        .ok_or_else(|| candle_core::Error::msg("fused kernel: a worker chunk did not complete"))
+}
+
+/// A `Vec` of `n` elements to be fully overwritten by a kernel.
+pub(crate) fn output_vec<T: Elem>(n: usize) -> Vec<T> {
+    vec![T::store(<T::F as Float>::ZERO); n]
+}

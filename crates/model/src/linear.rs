@@ -1,0 +1,184 @@
+//! The linear-layer seam: the model builds every projection through a [`LayerFactory`], so a
+//! tensor-parallel, LoRA-wrapped or fake-quantised layer replaces the dense one without
+//! forking the model.
+
+use crate::error::{ModelError, Result};
+use crate::init::{Init, Initializer};
+use candle_core::{Tensor, Var};
+
+/// Which projection of a block a linear layer is; tells a tensor-parallel factory how to split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LinearKind {
+    /// The fused query/key/value projection `d -> 3d`; column-parallel (Megatron), output laid
+    /// out as `[q | k | v]`, each `n_heads * head_dim` wide.
+    AttnQkv,
+    /// The attention output projection `d -> d`; row-parallel.
+    AttnOut,
+    /// The MLP's first layer `d -> 4d` (fc1); column-parallel.
+    MlpUp,
+    /// The MLP's second layer `4d -> d` (fc2); row-parallel.
+    MlpDown,
+}
+
+/// How Megatron splits a layer across tensor-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ParallelStyle {
+    /// Split the output features; the input is replicated.
+    Column,
+    /// Split the input features; the partial outputs are summed (all-reduce).
+    Row,
+}
+
+impl LinearKind {
+    /// The Megatron split of this layer.
+    pub fn parallel_style(self) -> ParallelStyle {
+        match self {
+            LinearKind::AttnQkv | LinearKind::MlpUp => ParallelStyle::Column,
+            LinearKind::AttnOut | LinearKind::MlpDown => ParallelStyle::Row,
+        }
+    }
+}
+
+/// Everything a factory needs to build one linear layer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LinearSpec {
+    /// Parameter prefix, e.g. `h.0.attn.c_attn`; the weight is `{name}.weight`, the bias
+    /// `{name}.bias`.
+    pub name: String,
+    /// Input features (of the whole, unsplit layer).
+    pub in_features: usize,
+    /// Output features (of the whole, unsplit layer).
+    pub out_features: usize,
+    /// Whether the layer has a bias.
+    pub bias: bool,
+    /// Which projection this is.
+    pub kind: LinearKind,
+    /// Initialisation of the `[out_features, in_features]` weight; biases start at zero.
+    pub weight_init: Init,
+}
+
+/// A linear layer `y = x W^T + b` over the last dimension.
+pub trait LinearLayer: Send + Sync + std::fmt::Debug {
+    /// Applies the layer to `x` of shape `[.., in]`, computing in `x`'s dtype (the layer casts
+    /// its weights, differentiably, when they are stored in another dtype).
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    /// This layer's trainable parameters with their full names, in a fixed order.
+    fn parameters(&self) -> Vec<(String, Var)>;
+    /// Output features this layer produces locally (a column-parallel shard produces fewer
+    /// than the spec's `out_features`).
+    fn local_out_features(&self) -> usize;
+}
+
+/// Builds the linear layers of a model.
+pub trait LayerFactory {
+    /// Builds the layer described by `spec`, creating its parameters with `init`.
+    fn linear(&self, init: &Initializer, spec: &LinearSpec) -> Result<Box<dyn LinearLayer>>;
+}
+
+/// The default factory: plain dense layers owning their `Var`s.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DenseFactory;
+
+impl LayerFactory for DenseFactory {
+    fn linear(&self, init: &Initializer, spec: &LinearSpec) -> Result<Box<dyn LinearLayer>> {
+        Ok(Box::new(DenseLinear::new(init, spec)?))
+    }
+}
+
+/// A dense linear layer with weight `[out, in]` (the PyTorch `nn.Linear` layout) and an
+/// optional bias `[out]`.
+#[derive(Debug, Clone)]
+pub struct DenseLinear {
+    name: String,
+    weight: Var,
+    bias: Option<Var>,
+}
+
+impl DenseLinear {
+    /// Creates the parameters of `spec` with `init`.
+    pub fn new(init: &Initializer, spec: &LinearSpec) -> Result<Self> {
+        if spec.in_features == 0 || spec.out_features == 0 {
+            return Err(ModelError::ZeroDimension {
+                field: "linear features",
+            });
+        }
+        let weight = init.var(
+            &format!("{}.weight", spec.name),
+            &[spec.out_features, spec.in_features],
+            spec.weight_init,
+        )?;
+        let bias = if spec.bias {
+            Some(init.var(&format!("{}.bias", spec.name), &[spec.out_features], Init::Zeros)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            name: spec.name.clone(),
+            weight,
+            bias,
+        })
+    }
+
+    /// Wraps existing parameters (weight `[out, in]`, bias `[out]`).
+    pub fn from_vars(name: impl Into<String>, weight: Var, bias: Option<Var>) -> Self {
+        Self {
+            name: name.into(),
+            weight,
+            bias,
+        }
+    }
+
+    /// The weight `[out, in]`.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+
+    /// The bias `[out]`, if any.
+    pub fn bias(&self) -> Option<&Var> {
+        self.bias.as_ref()
+    }
+}
+
+/// `x W^T + b` for `x` `[.., in]`, computing in `x`'s dtype.
+pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (out_f, in_f) = weight.dims2()?;
+    let dims = x.dims();
+    if dims.last() != Some(&in_f) {
+        return Err(ModelError::Shape {
+            op: "linear",
+            what: "x",
+            expected: format!("[.., {in_f}]"),
+            got: format!("{dims:?}"),
+        });
+    }
+    let rows = x.elem_count() / in_f;
+    let w = weight.to_dtype(x.dtype())?;
+    let y = x.contiguous()?.reshape((rows, in_f))?.matmul(&w.t()?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(&b.to_dtype(x.dtype())?)?,
+        None => y,
+    };
+    let mut out_dims = dims.to_vec();
+    if let Some(last) = out_dims.last_mut() {
+        *last = out_f;
+    }
+    Ok(y.reshape(out_dims)?)
+}
+
+impl LinearLayer for DenseLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        linear_forward(x, self.weight.as_tensor(), self.bias.as_ref().map(|b| b.as_tensor()))
+    }
+
+    fn parameters(&self) -> Vec<(String, Var)> {
+        let mut p = vec![(format!("{}.weight", self.name), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            p.push((format!("{}.bias", self.name), b.clone()));
+        }
+        p
+    }
+
+    fn local_out_features(&self) -> usize {
+        self.weight.dims().first().copied().unwrap_or(0)
+    }
+}

@@ -1,0 +1,470 @@
+//! [`Gpt`]: the GPT-3-style decoder, runnable whole or as a chain of [`Segment`]s.
+
+use crate::config::GptConfig;
+use crate::error::{ModelError, Result};
+use crate::init::{Init, Initializer};
+use crate::linear::{DenseFactory, LayerFactory, LinearKind, LinearLayer, LinearSpec};
+use crate::ops;
+use candle_core::{DType, Device, Tensor, Var};
+
+/// How a [`Gpt`] is built and run, apart from its architecture.
+#[derive(Debug, Clone)]
+pub struct GptOptions {
+    /// Seed of the initialisation: same seed, bitwise same parameters.
+    pub seed: u64,
+    /// Device of the parameters.
+    pub device: Device,
+    /// dtype of the master parameters: f32 (training) or f64 (gradient checks).
+    pub param_dtype: DType,
+    /// dtype of the forward and backward compute: the parameters are cast to it
+    /// (differentiably) as they are used; f32, f16, bf16 or f64. The loss is f32 (f64 for f64).
+    pub compute_dtype: DType,
+    /// Targets equal to this id are left out of the loss (padding).
+    pub ignore_index: Option<u32>,
+}
+
+impl Default for GptOptions {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            device: Device::Cpu,
+            param_dtype: DType::F32,
+            compute_dtype: DType::F32,
+            ignore_index: None,
+        }
+    }
+}
+
+impl GptOptions {
+    /// f32 on the CPU with this seed.
+    pub fn seeded(seed: u64) -> Self {
+        Self {
+            seed,
+            ..Self::default()
+        }
+    }
+
+    /// The same options computing in `dtype`.
+    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
+        self.compute_dtype = dtype;
+        self
+    }
+
+    /// The same options with master parameters in `dtype`.
+    pub fn with_param_dtype(mut self, dtype: DType) -> Self {
+        self.param_dtype = dtype;
+        self
+    }
+}
+
+/// One piece of the model an executor can run on its own: `Embed`, then each `Block`, then
+/// `Head`. The output of one is the input of the next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Segment {
+    /// Token ids `[b, t]` to hidden states `[b, t, d]`: token plus position embedding.
+    Embed,
+    /// Transformer block `i`: `[b, t, d] -> [b, t, d]`.
+    Block(usize),
+    /// Final LayerNorm and the tied LM head: hidden states to logits or loss.
+    Head,
+}
+
+/// A LayerNorm's gain and bias.
+#[derive(Debug, Clone)]
+struct Norm {
+    name: String,
+    weight: Var,
+    bias: Var,
+    eps: f64,
+}
+
+impl Norm {
+    fn new(init: &Initializer, name: &str, d: usize, eps: f64) -> Result<Self> {
+        Ok(Self {
+            name: name.to_string(),
+            weight: init.var(&format!("{name}.weight"), &[d], Init::Ones)?,
+            bias: init.var(&format!("{name}.bias"), &[d], Init::Zeros)?,
+            eps,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let w = self.weight.as_tensor().to_dtype(x.dtype())?;
+        let b = self.bias.as_tensor().to_dtype(x.dtype())?;
+        ops::layer_norm(x, &w, &b, self.eps)
+    }
+
+    fn parameters(&self, out: &mut Vec<(String, Var)>) {
+        out.push((format!("{}.weight", self.name), self.weight.clone()));
+        out.push((format!("{}.bias", self.name), self.bias.clone()));
+    }
+}
+
+/// One pre-LayerNorm transformer block.
+#[derive(Debug)]
+struct Block {
+    ln_1: Norm,
+    c_attn: Box<dyn LinearLayer>,
+    attn_proj: Box<dyn LinearLayer>,
+    ln_2: Norm,
+    c_fc: Box<dyn LinearLayer>,
+    mlp_proj: Box<dyn LinearLayer>,
+    head_dim: usize,
+}
+
+impl Block {
+    fn new(
+        cfg: &GptConfig,
+        i: usize,
+        init: &Initializer,
+        factory: &dyn LayerFactory,
+    ) -> Result<Self> {
+        let d = cfg.d_model;
+        let f = cfg.d_ff();
+        let eps = cfg.layer_norm_eps;
+        let residual_gain = if cfg.scaled_residual_init {
+            1.0 / (2.0 * cfg.n_layers as f64).sqrt()
+        } else {
+            1.0
+        };
+        let spec = |name: &str, in_f, out_f, kind, gain| LinearSpec {
+            name: format!("h.{i}.{name}"),
+            in_features: in_f,
+            out_features: out_f,
+            bias: true,
+            kind,
+            weight_init: Init::XavierUniform { gain },
+        };
+        Ok(Self {
+            ln_1: Norm::new(init, &format!("h.{i}.ln_1"), d, eps)?,
+            c_attn: factory.linear(init, &spec("attn.c_attn", d, 3 * d, LinearKind::AttnQkv, 1.0))?,
+            attn_proj: factory.linear(
+                init,
+                &spec("attn.c_proj", d, d, LinearKind::AttnOut, residual_gain),
+            )?,
+            ln_2: Norm::new(init, &format!("h.{i}.ln_2"), d, eps)?,
+            c_fc: factory.linear(init, &spec("mlp.c_fc", d, f, LinearKind::MlpUp, 1.0))?,
+            mlp_proj: factory.linear(
+                init,
+                &spec("mlp.c_proj", f, d, LinearKind::MlpDown, residual_gain),
+            )?,
+            head_dim: cfg.head_dim(),
+        })
+    }
+
+    fn attention(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let dh = self.head_dim;
+        let qkv = self.c_attn.forward(x)?;
+        let width = self.c_attn.local_out_features();
+        if width % (3 * dh) != 0 {
+            return Err(ModelError::Shape {
+                op: "attention",
+                what: "qkv projection output",
+                expected: format!("a multiple of 3 * head_dim = {}", 3 * dh),
+                got: format!("{width}"),
+            });
+        }
+        let h = width / (3 * dh);
+        // [b, t, 3, h, dh] -> [3, b, h, t, dh]: one copy, then q, k, v are contiguous views
+        let qkv = qkv
+            .reshape((b, t, 3, h, dh))?
+            .permute((2, 0, 3, 1, 4))?
+            .contiguous()?;
+        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+        let scores = q.matmul(&k.t()?)?;
+        let att = ops::causal_softmax_scaled(&scores, 1.0 / (dh as f64).sqrt())?;
+        let y = att.matmul(&v)?;
+        let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * dh))?;
+        self.attn_proj.forward(&y)
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
+        let h = ops::gelu(&self.c_fc.forward(&self.ln_2.forward(&x)?)?)?;
+        Ok((&x + self.mlp_proj.forward(&h)?)?)
+    }
+
+    fn parameters(&self, out: &mut Vec<(String, Var)>) {
+        self.ln_1.parameters(out);
+        out.extend(self.c_attn.parameters());
+        out.extend(self.attn_proj.parameters());
+        self.ln_2.parameters(out);
+        out.extend(self.c_fc.parameters());
+        out.extend(self.mlp_proj.parameters());
+    }
+}
+
+/// The GPT-3-style decoder: token and learned position embeddings, `n_layers` pre-LayerNorm
+/// blocks (LN, causal multi-head attention with a fused QKV projection, residual; LN, fc1 4x,
+/// GELU, fc2, residual), a final LayerNorm and an LM head tied to the token embedding.
+///
+/// Parameters are candle `Var`s named as in GPT-2 (`wte`, `wpe`, `h.{i}.ln_1.weight`,
+/// `h.{i}.attn.c_attn.weight`, `h.{i}.attn.c_proj.bias`, `h.{i}.mlp.c_fc.weight`, ...,
+/// `ln_f.weight`), with linear weights stored `[out, in]` (PyTorch `nn.Linear`, not GPT-2's
+/// `Conv1D` `[in, out]`).
+///
+/// Initialisation: Xavier-uniform weight matrices (the residual output projections
+/// `attn.c_proj` and `mlp.c_proj` scaled by `1/sqrt(2 n_layers)` when
+/// [`GptConfig::scaled_residual_init`] is set), zero biases, unit LayerNorm gains, and
+/// `N(0, embedding_std)` embeddings (0.02, GPT-2's value); each parameter draws from its own
+/// stream keyed by `(seed, name)` ([`crate::keyed_rng`]), so the weights do not depend on
+/// construction order or on the layer factory.
+///
+/// Segments: [`Gpt::embed`], [`Gpt::block`] and [`Gpt::head_loss`] run the model piecewise;
+/// [`Gpt::forward`] and [`Gpt::loss`] compose them. The tied `wte` is owned by
+/// [`Segment::Embed`] (listed by [`Gpt::segment_parameters`]) and also read by
+/// [`Segment::Head`] ([`Gpt::tied_parameters`]): an executor that runs the segments one by one
+/// must add the head's `wte` gradient to the embedding's.
+#[derive(Debug)]
+pub struct Gpt {
+    cfg: GptConfig,
+    opts: GptOptions,
+    wte: Var,
+    wpe: Var,
+    blocks: Vec<Block>,
+    ln_f: Norm,
+}
+
+fn check_compute_dtype(dtype: DType) -> Result<()> {
+    if matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        Ok(())
+    } else {
+        Err(ModelError::Dtype {
+            op: "Gpt",
+            what: "compute dtype",
+            expected: "f32, f16, bf16 or f64",
+            got: dtype,
+        })
+    }
+}
+
+impl Gpt {
+    /// Builds the model with dense layers ([`DenseFactory`]).
+    pub fn new(cfg: &GptConfig, opts: &GptOptions) -> Result<Self> {
+        Self::with_factory(cfg, opts, &DenseFactory)
+    }
+
+    /// Builds the model with linear layers from `factory`.
+    pub fn with_factory(
+        cfg: &GptConfig,
+        opts: &GptOptions,
+        factory: &dyn LayerFactory,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        check_compute_dtype(opts.compute_dtype)?;
+        let init = Initializer::new(opts.seed, &opts.device, opts.param_dtype)?;
+        let d = cfg.d_model;
+        let emb = Init::Normal {
+            std: cfg.embedding_std,
+        };
+        let wte = init.var("wte", &[cfg.vocab_size, d], emb)?;
+        let wpe = init.var("wpe", &[cfg.n_ctx, d], emb)?;
+        let blocks = (0..cfg.n_layers)
+            .map(|i| Block::new(cfg, i, &init, factory))
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = Norm::new(&init, "ln_f", d, cfg.layer_norm_eps)?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            opts: opts.clone(),
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+        })
+    }
+
+    /// The architecture.
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    /// The build and run options.
+    pub fn options(&self) -> &GptOptions {
+        &self.opts
+    }
+
+    /// The dtype the forward computes in.
+    pub fn compute_dtype(&self) -> DType {
+        self.opts.compute_dtype
+    }
+
+    /// Switches the compute dtype (f32, f16, bf16, f64); the master parameters are unchanged.
+    pub fn set_compute_dtype(&mut self, dtype: DType) -> Result<()> {
+        check_compute_dtype(dtype)?;
+        self.opts.compute_dtype = dtype;
+        Ok(())
+    }
+
+    /// The number of transformer blocks.
+    pub fn n_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The segments in execution order: `Embed`, `Block(0)`, ..., `Head`.
+    pub fn segments(&self) -> Vec<Segment> {
+        let mut s = vec![Segment::Embed];
+        s.extend((0..self.blocks.len()).map(Segment::Block));
+        s.push(Segment::Head);
+        s
+    }
+
+    /// Every trainable parameter with its name, in a fixed order: `wte`, `wpe`, the blocks
+    /// in order (`ln_1`, `attn.c_attn`, `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`;
+    /// weight before bias), `ln_f`. The concatenation of the segments' own parameters.
+    pub fn named_parameters(&self) -> Vec<(String, Var)> {
+        let mut out = Vec::new();
+        for seg in self.segments() {
+            out.extend(self.segment_parameters(seg));
+        }
+        out
+    }
+
+    /// The parameters a segment owns (its gradient comes from its own backward). `wte` is
+    /// owned by `Embed`; see [`Gpt::tied_parameters`]. A block index out of range gives an
+    /// empty list.
+    pub fn segment_parameters(&self, seg: Segment) -> Vec<(String, Var)> {
+        let mut out = Vec::new();
+        match seg {
+            Segment::Embed => {
+                out.push(("wte".to_string(), self.wte.clone()));
+                out.push(("wpe".to_string(), self.wpe.clone()));
+            }
+            Segment::Block(i) => {
+                if let Some(b) = self.blocks.get(i) {
+                    b.parameters(&mut out);
+                }
+            }
+            Segment::Head => self.ln_f.parameters(&mut out),
+        }
+        out
+    }
+
+    /// Parameters a segment reads but another segment owns: `[wte]` for `Head` (the tied LM
+    /// head), nothing otherwise.
+    pub fn tied_parameters(&self, seg: Segment) -> Vec<(String, Var)> {
+        match seg {
+            Segment::Head => vec![("wte".to_string(), self.wte.clone())],
+            _ => Vec::new(),
+        }
+    }
+
+    /// The number of trainable elements actually held (equals [`GptConfig::param_count`]
+    /// for dense layers).
+    pub fn num_parameters(&self) -> usize {
+        self.named_parameters()
+            .iter()
+            .map(|(_, v)| v.elem_count())
+            .sum()
+    }
+
+    fn check_tokens(&self, op: &'static str, what: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+        let (b, n) = match t.dims() {
+            &[b, n] if b > 0 && n > 0 => (b, n),
+            dims => {
+                return Err(ModelError::Shape {
+                    op,
+                    what,
+                    expected: "[batch, seq] with both > 0".into(),
+                    got: format!("{dims:?}"),
+                })
+            }
+        };
+        if t.dtype() != DType::U32 {
+            return Err(ModelError::Dtype {
+                op,
+                what,
+                expected: "u32",
+                got: t.dtype(),
+            });
+        }
+        if n > self.cfg.n_ctx {
+            return Err(ModelError::SequenceTooLong {
+                op,
+                got: n,
+                max: self.cfg.n_ctx,
+            });
+        }
+        Ok((b, n))
+    }
+
+    /// `Embed`: token ids `[b, t]` (u32, `t <= n_ctx`) to hidden states `[b, t, d]` in the
+    /// compute dtype.
+    pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (b, t) = self.check_tokens("embed", "tokens", tokens)?;
+        let ids = tokens.flatten_all()?;
+        let vocab = self.cfg.vocab_size;
+        if let Some((index, &value)) = ids
+            .to_vec1::<u32>()?
+            .iter()
+            .enumerate()
+            .find(|(_, &v)| v as usize >= vocab)
+        {
+            return Err(ModelError::TokenOutOfRange {
+                op: "embed",
+                what: "token",
+                index,
+                value,
+                vocab,
+            });
+        }
+        let d = self.cfg.d_model;
+        let tok = self.wte.as_tensor().index_select(&ids, 0)?.reshape((b, t, d))?;
+        let pos = self.wpe.as_tensor().narrow(0, 0, t)?;
+        Ok(tok.broadcast_add(&pos)?.to_dtype(self.opts.compute_dtype)?)
+    }
+
+    /// `Block(i)`: hidden states `[b, t, d]` through transformer block `i`.
+    pub fn block(&self, i: usize, x: &Tensor) -> Result<Tensor> {
+        let blk = self.blocks.get(i).ok_or(ModelError::BlockOutOfRange {
+            index: i,
+            n_blocks: self.blocks.len(),
+        })?;
+        blk.forward(x)
+    }
+
+    /// `Head`: hidden states `[b, t, d]` to logits `[b, t, vocab]` in the compute dtype.
+    pub fn head_logits(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let h = self.ln_f.forward(x)?.reshape((b * t, d))?;
+        let w = self.wte.as_tensor().to_dtype(h.dtype())?;
+        Ok(h.matmul(&w.t()?)?.reshape((b, t, self.cfg.vocab_size))?)
+    }
+
+    /// `Head`: hidden states `[b, t, d]` and targets `[b, t]` (u32) to the mean cross-entropy
+    /// over the targets not equal to [`GptOptions::ignore_index`]; a scalar f32 (f64 when
+    /// computing in f64).
+    pub fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (tb, tt) = self.check_tokens("head_loss", "targets", targets)?;
+        if (tb, tt) != (b, t) {
+            return Err(ModelError::Shape {
+                op: "head_loss",
+                what: "targets",
+                expected: format!("[{b}, {t}]"),
+                got: format!("[{tb}, {tt}]"),
+            });
+        }
+        let logits = self.head_logits(x)?.reshape((b * t, self.cfg.vocab_size))?;
+        ops::cross_entropy(&logits, &targets.flatten_all()?, self.opts.ignore_index)
+    }
+
+    /// Hidden states after the embedding and every block.
+    fn trunk(&self, tokens: &Tensor) -> Result<Tensor> {
+        let mut x = self.embed(tokens)?;
+        for i in 0..self.blocks.len() {
+            x = self.block(i, &x)?;
+        }
+        Ok(x)
+    }
+
+    /// Logits `[b, t, vocab]` for token ids `[b, t]`.
+    pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        self.head_logits(&self.trunk(tokens)?)
+    }
+
+    /// Mean next-token cross-entropy of `tokens` against `targets` (both `[b, t]`, u32).
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        self.head_loss(&self.trunk(tokens)?, targets)
+    }
+}

@@ -1,0 +1,262 @@
+//! Cross-entropy with logits: fused log-softmax and negative log-likelihood, and its backward.
+
+use crate::error::{ModelError, Result};
+use crate::kernel::{contiguous, is_float, output_vec, par_rows, with_float_storage, Elem, Float};
+use crate::kernel::FLOAT_DTYPES;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+/// Mean cross-entropy of `logits` `[n, vocab]` against `targets` `[n]` (u32), averaged over
+/// the targets that are not `ignore_index`. Returns a scalar: f64 for f64 logits, f32
+/// otherwise (half-precision logits are reduced in f32, and the loss stays f32 for loss
+/// scaling). Only `logits` receives a gradient: `(softmax - onehot) / count`.
+///
+/// When every target is ignored the loss is 0 and the gradient is zero (a fully padded
+/// micro-batch contributes nothing). A target `>= vocab` that is not `ignore_index` is an error.
+///
+/// ```
+/// # fn main() -> anyhow::Result<()> {
+/// use candle_core::{Device, Tensor};
+/// let logits = Tensor::new(&[[0f32, 0., 0., 0.], [9., 0., 0., 0.]], &Device::Cpu)?;
+/// let targets = Tensor::new(&[2u32, 7], &Device::Cpu)?;
+/// let loss = kiln_model::ops::cross_entropy(&logits, &targets, Some(7))?;
+/// assert!((loss.to_scalar::<f32>()? - 4f32.ln()).abs() < 1e-6);
+/// # Ok(()) }
+/// ```
+pub fn cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+) -> Result<Tensor> {
+    const OP: &str = "cross_entropy";
+    let (n, v) = match logits.dims() {
+        &[n, v] if v > 0 => (n, v),
+        dims => {
+            return Err(ModelError::Shape {
+                op: OP,
+                what: "logits",
+                expected: "[n, vocab] with vocab > 0".into(),
+                got: format!("{dims:?}"),
+            })
+        }
+    };
+    if targets.dims() != [n] {
+        return Err(ModelError::Shape {
+            op: OP,
+            what: "targets",
+            expected: format!("[{n}]"),
+            got: format!("{:?}", targets.dims()),
+        });
+    }
+    if targets.dtype() != DType::U32 {
+        return Err(ModelError::Dtype {
+            op: OP,
+            what: "targets",
+            expected: "u32",
+            got: targets.dtype(),
+        });
+    }
+    if !is_float(logits.dtype()) {
+        return Err(ModelError::Dtype {
+            op: OP,
+            what: "logits",
+            expected: FLOAT_DTYPES,
+            got: logits.dtype(),
+        });
+    }
+    // validate the targets up front, so the kernels cannot meet a bad one
+    let t = targets.to_vec1::<u32>()?;
+    if let Some((index, &value)) = t
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| Some(t) != ignore_index && t as usize >= v)
+    {
+        return Err(ModelError::TokenOutOfRange {
+            op: OP,
+            what: "target",
+            index,
+            value,
+            vocab: v,
+        });
+    }
+    Ok(logits
+        .contiguous()?
+        .apply_op2(&targets.contiguous()?, CrossEntropy { ignore_index })?)
+}
+
+/// The forward op: `(logits, targets) -> mean loss`.
+struct CrossEntropy {
+    ignore_index: Option<u32>,
+}
+
+fn u32_targets<'a>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> candle_core::Result<&'a [u32]> {
+    match s {
+        CpuStorage::U32(t) => contiguous(t, l, op),
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(candle_core::backend::BackendStorage::dtype(other), op)),
+    }
+}
+
+/// Checks the targets and counts the ones that take part in the mean.
+fn count_targets(t: &[u32], vocab: usize, ignore: Option<u32>) -> candle_core::Result<usize> {
+    let mut count = 0;
+    for (index, &value) in t.iter().enumerate() {
+        if Some(value) == ignore {
+            continue;
+        }
+        if value as usize >= vocab {
+            return Err(ModelError::TokenOutOfRange {
+                op: "cross_entropy",
+                what: "target",
+                index,
+                value,
+                vocab,
+            }
+            .into_candle());
+        }
+        count += 1;
+    }
+    Ok(count)
+}
+
+/// Max and log-sum-exp of one row.
+#[inline]
+fn row_lse<T: Elem>(row: &[T]) -> (T::F, T::F) {
+    let mut max = <T::F as Float>::NEG_INFINITY;
+    for &v in row {
+        max = max.max(v.load());
+    }
+    let mut sum = <T::F as Float>::ZERO;
+    for &v in row {
+        sum += (v.load() - max).exp();
+    }
+    (max, max + sum.ln())
+}
+
+fn ce_fwd<T: Elem>(x: &[T], t: &[u32], v: usize, ignore: Option<u32>) -> candle_core::Result<f64> {
+    let count = count_targets(t, v, ignore)?;
+    let mut per_row = vec![0f64; t.len()];
+    par_rows(&mut per_row, 1, 2 * v, |row0, out| {
+        for (r, o) in out.iter_mut().enumerate() {
+            let row = row0 + r;
+            let target = t[row];
+            if Some(target) == ignore {
+                continue;
+            }
+            let xr = &x[row * v..(row + 1) * v];
+            let (_, lse) = row_lse(xr);
+            *o = (lse - xr[target as usize].load()).to_f64();
+        }
+    })?;
+    if count == 0 {
+        return Ok(0.0);
+    }
+    // summed in row order: deterministic
+    Ok(per_row.iter().sum::<f64>() / count as f64)
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "kiln-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let t = u32_targets(s2, l2, op)?;
+        let v = l1.dims().last().copied().unwrap_or(0);
+        if v == 0 || l1.shape().elem_count() != t.len() * v {
+            return Err(candle_core::Error::msg(format!("{op}: logits and targets disagree")));
+        }
+        let loss = with_float_storage!(s1, op, |xs| ce_fwd(contiguous(xs, l1, op)?, t, v, self.ignore_index))?;
+        let out = match s1 {
+            CpuStorage::F64(_) => CpuStorage::F64(vec![loss]),
+            _ => CpuStorage::F32(vec![loss as f32]),
+        };
+        Ok((out, Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _loss: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let dx = logits.apply_op2_no_bwd(
+            targets,
+            &CrossEntropyBwd {
+                ignore_index: self.ignore_index,
+                grad: g,
+            },
+        )?;
+        Ok((Some(dx), None))
+    }
+}
+
+/// `(logits, targets) -> grad * (softmax - onehot) / count`, zero rows for ignored targets.
+struct CrossEntropyBwd {
+    ignore_index: Option<u32>,
+    grad: f64,
+}
+
+fn ce_bwd<T: Elem>(
+    x: &[T],
+    t: &[u32],
+    v: usize,
+    ignore: Option<u32>,
+    grad: f64,
+) -> candle_core::Result<Vec<T>> {
+    let count = count_targets(t, v, ignore)?;
+    let mut dx = output_vec::<T>(x.len());
+    if count == 0 {
+        return Ok(dx);
+    }
+    let scale = <T::F as Float>::from_f64(grad / count as f64);
+    par_rows(&mut dx, v, 3 * v, |row0, out| {
+        for (r, dr) in out.chunks_mut(v).enumerate() {
+            let row = row0 + r;
+            let target = t[row];
+            if Some(target) == ignore {
+                continue;
+            }
+            let xr = &x[row * v..(row + 1) * v];
+            let (_, lse) = row_lse(xr);
+            for (o, &xv) in dr.iter_mut().zip(xr) {
+                *o = T::store((xv.load() - lse).exp() * scale);
+            }
+            let ti = target as usize;
+            dr[ti] = T::store(((xr[ti].load() - lse).exp() - <T::F as Float>::ONE) * scale);
+        }
+    })?;
+    Ok(dx)
+}
+
+impl CustomOp2 for CrossEntropyBwd {
+    fn name(&self) -> &'static str {
+        "kiln-cross-entropy-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let t = u32_targets(s2, l2, op)?;
+        let v = l1.dims().last().copied().unwrap_or(0);
+        if v == 0 || l1.shape().elem_count() != t.len() * v {
+            return Err(candle_core::Error::msg(format!("{op}: logits and targets disagree")));
+        }
+        with_float_storage!(s1, op, |xs| {
+            let dx = ce_bwd(contiguous(xs, l1, op)?, t, v, self.ignore_index, self.grad)?;
+            Ok((Elem::into_storage(dx), l1.shape().clone()))
+        })
+    }
+}

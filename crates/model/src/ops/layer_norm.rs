@@ -1,0 +1,262 @@
+//! Layer normalisation over the last dimension, with gain and bias, and its backward.
+
+use crate::error::{ModelError, Result};
+use crate::kernel::{
+    contiguous, is_float, output_vec, par_rows, same_type, with_float_storage, Elem, Float,
+    FLOAT_DTYPES,
+};
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+
+/// `y = (x - mean) / sqrt(var + eps) * weight + bias` over the last dimension of `x`, with
+/// `weight` and `bias` of shape `[d]`, all of one float dtype (f32, f64, f16, bf16; half types
+/// compute in f32).
+///
+/// Unlike `candle_nn::ops::layer_norm`, this op has a backward: gradients reach `x`, `weight`
+/// and `bias` (the gain and bias gradients are column sums computed in parallel).
+///
+/// ```
+/// # fn main() -> anyhow::Result<()> {
+/// use candle_core::{Device, Tensor, Var};
+/// let x = Var::new(&[[1f32, 2., 3.], [2., 2., 5.]], &Device::Cpu)?;
+/// let w = Var::new(&[1f32, 1., 1.], &Device::Cpu)?;
+/// let b = Var::new(&[0f32, 0., 0.], &Device::Cpu)?;
+/// let y = kiln_model::ops::layer_norm(&x, &w, &b, 0.0)?;
+/// let r0 = y.get(0)?.to_vec1::<f32>()?;
+/// assert!((r0[0] + 1.2247449).abs() < 1e-5 && r0[1].abs() < 1e-6);
+/// let grads = y.get(0)?.get(2)?.backward()?;
+/// assert_eq!(grads.get(&b).unwrap().to_vec1::<f32>()?, vec![0., 0., 1.]);
+/// # Ok(()) }
+/// ```
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    const OP: &str = "layer_norm";
+    let d = match x.dims().last() {
+        Some(&d) if d > 0 => d,
+        _ => {
+            return Err(ModelError::Shape {
+                op: OP,
+                what: "x",
+                expected: "[.., d] with d > 0".into(),
+                got: format!("{:?}", x.dims()),
+            })
+        }
+    };
+    for (what, t) in [("weight", weight), ("bias", bias)] {
+        if t.dims() != [d] {
+            return Err(ModelError::Shape {
+                op: OP,
+                what,
+                expected: format!("[{d}]"),
+                got: format!("{:?}", t.dims()),
+            });
+        }
+        if t.dtype() != x.dtype() {
+            return Err(ModelError::Dtype {
+                op: OP,
+                what,
+                expected: "the dtype of x",
+                got: t.dtype(),
+            });
+        }
+    }
+    if !is_float(x.dtype()) {
+        return Err(ModelError::Dtype {
+            op: OP,
+            what: "x",
+            expected: FLOAT_DTYPES,
+            got: x.dtype(),
+        });
+    }
+    if !(eps.is_finite() && eps >= 0.0) {
+        return Err(ModelError::InvalidValue {
+            field: "eps",
+            value: eps,
+            expected: "finite and >= 0",
+        });
+    }
+    Ok(x.contiguous()?.apply_op3(
+        &weight.contiguous()?,
+        &bias.contiguous()?,
+        LayerNormOp { eps },
+    )?)
+}
+
+/// The forward op: `(x, weight, bias) -> y`.
+struct LayerNormOp {
+    eps: f64,
+}
+
+/// Mean and reciprocal standard deviation of one row (two-pass variance).
+#[inline]
+fn row_stats<T: Elem>(row: &[T], eps: T::F) -> (T::F, T::F) {
+    let n = <T::F as Float>::from_f64(row.len() as f64);
+    let mut sum = <T::F as Float>::ZERO;
+    for &v in row {
+        sum += v.load();
+    }
+    let mean = sum / n;
+    let mut var = <T::F as Float>::ZERO;
+    for &v in row {
+        let c = v.load() - mean;
+        var += c * c;
+    }
+    let rstd = <T::F as Float>::ONE / (var / n + eps).sqrt();
+    (mean, rstd)
+}
+
+fn widen<T: Elem>(v: &[T]) -> Vec<T::F> {
+    v.iter().map(|&x| x.load()).collect()
+}
+
+fn ln_fwd<T: Elem>(x: &[T], w: &[T], b: &[T], eps: f64) -> candle_core::Result<Vec<T>> {
+    let d = w.len();
+    let (w, b) = (widen(w), widen(b));
+    let eps = <T::F as Float>::from_f64(eps);
+    let mut y = output_vec::<T>(x.len());
+    par_rows(&mut y, d, 4 * d, |row0, out| {
+        for (r, yr) in out.chunks_mut(d).enumerate() {
+            let xr = &x[(row0 + r) * d..(row0 + r + 1) * d];
+            let (mean, rstd) = row_stats(xr, eps);
+            for j in 0..d {
+                yr[j] = T::store((xr[j].load() - mean) * rstd * w[j] + b[j]);
+            }
+        }
+    })?;
+    Ok(y)
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "kiln-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        with_float_storage!(s1, op, |xs| {
+            let x = contiguous(xs, l1, op)?;
+            let w = contiguous(same_type(x, s2, op)?, l2, op)?;
+            let b = contiguous(same_type(x, s3, op)?, l3, op)?;
+            let y = ln_fwd(x, w, b, self.eps)?;
+            Ok((Elem::into_storage(y), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        _bias: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = weight.elem_count();
+        let n = x.elem_count() / d.max(1);
+        let grad = grad.to_dtype(x.dtype())?.contiguous()?;
+        // one packed output: rows 0..n are dx, row n is d(weight), row n + 1 is d(bias)
+        let packed = x.apply_op3_no_bwd(weight, &grad, &LayerNormBwd { eps: self.eps })?;
+        let dx = packed.narrow(0, 0, n)?.reshape(x.shape())?;
+        let dw = packed.narrow(0, n, 1)?.reshape(d)?;
+        let db = packed.narrow(0, n + 1, 1)?.reshape(d)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+/// The backward kernel: `(x, weight, dy) -> [n + 2, d]` packing dx, dweight, dbias.
+struct LayerNormBwd {
+    eps: f64,
+}
+
+fn ln_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> candle_core::Result<Vec<T>> {
+    let d = w.len();
+    let n = x.len() / d;
+    let w = widen(w);
+    let eps = <T::F as Float>::from_f64(eps);
+    let inv_d = <T::F as Float>::from_f64(1.0 / d as f64);
+    let mut out = output_vec::<T>((n + 2) * d);
+    let (dx, dwb) = out.split_at_mut(n * d);
+    let partials = par_rows(dx, d, 8 * d, |row0, chunk| {
+        let zero = <T::F as Float>::ZERO;
+        let mut dw = vec![zero; d];
+        let mut db = vec![zero; d];
+        let mut xhat = vec![zero; d];
+        for (r, dxr) in chunk.chunks_mut(d).enumerate() {
+            let off = (row0 + r) * d;
+            let xr = &x[off..off + d];
+            let gr = &dy[off..off + d];
+            let (mean, rstd) = row_stats(xr, eps);
+            let mut sum_g = zero;
+            let mut sum_gx = zero;
+            for j in 0..d {
+                let xh = (xr[j].load() - mean) * rstd;
+                xhat[j] = xh;
+                let gy = gr[j].load();
+                dw[j] += gy * xh;
+                db[j] += gy;
+                let g = gy * w[j];
+                sum_g += g;
+                sum_gx += g * xh;
+            }
+            let (mean_g, mean_gx) = (sum_g * inv_d, sum_gx * inv_d);
+            for j in 0..d {
+                let g = gr[j].load() * w[j];
+                dxr[j] = T::store(rstd * (g - mean_g - xhat[j] * mean_gx));
+            }
+        }
+        (dw, db)
+    })?;
+    // reduce the per-chunk column sums in chunk order: deterministic
+    let zero = <T::F as Float>::ZERO;
+    let mut dw = vec![zero; d];
+    let mut db = vec![zero; d];
+    for (pw, pb) in partials {
+        for j in 0..d {
+            dw[j] += pw[j];
+            db[j] += pb[j];
+        }
+    }
+    for j in 0..d {
+        dwb[j] = T::store(dw[j]);
+        dwb[d + j] = T::store(db[j]);
+    }
+    Ok(out)
+}
+
+impl CustomOp3 for LayerNormBwd {
+    fn name(&self) -> &'static str {
+        "kiln-layer-norm-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        with_float_storage!(s1, op, |xs| {
+            let x = contiguous(xs, l1, op)?;
+            let w = contiguous(same_type(x, s2, op)?, l2, op)?;
+            let dy = contiguous(same_type(x, s3, op)?, l3, op)?;
+            let d = w.len();
+            if d == 0 || x.len() % d != 0 || dy.len() != x.len() {
+                return Err(candle_core::Error::msg(format!(
+                    "{op}: x has {} elements, dy {}, weight {d}",
+                    x.len(),
+                    dy.len()
+                )));
+            }
+            let out = ln_bwd(x, w, dy, self.eps)?;
+            Ok((Elem::into_storage(out), Shape::from((x.len() / d + 2, d))))
+        })
+    }
+}

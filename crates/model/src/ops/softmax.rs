@@ -1,0 +1,177 @@
+//! Causal-masked softmax over the last dimension, and its backward.
+
+use crate::error::{ModelError, Result};
+use crate::kernel::{
+    contiguous, is_float, output_vec, par_rows, same_type, with_float_storage, Elem, Float,
+    FLOAT_DTYPES,
+};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+
+/// Causal softmax of attention scores `x` of shape `[.., tq, tk]` (`tq <= tk`): row `i` is a
+/// softmax over the positions `j <= i + (tk - tq)`; the masked positions are exactly zero.
+/// For square scores (`tq == tk`) this is the usual lower-triangular mask.
+///
+/// ```
+/// # fn main() -> anyhow::Result<()> {
+/// use candle_core::{Device, Tensor};
+/// let x = Tensor::new(&[[0f32, 5.], [0., 0.]], &Device::Cpu)?;
+/// let y = kiln_model::ops::causal_softmax(&x)?;
+/// assert_eq!(y.to_vec2::<f32>()?, vec![vec![1., 0.], vec![0.5, 0.5]]);
+/// # Ok(()) }
+/// ```
+pub fn causal_softmax(x: &Tensor) -> Result<Tensor> {
+    causal_softmax_scaled(x, 1.0)
+}
+
+/// [`causal_softmax`] of `scale * x`: the attention layer folds `1/sqrt(head_dim)` in here
+/// instead of scaling the scores with a separate op.
+pub fn causal_softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
+    const OP: &str = "causal_softmax";
+    let dims = x.dims();
+    let ok = dims.len() >= 2 && dims[dims.len() - 2] <= dims[dims.len() - 1];
+    if !ok || dims.contains(&0) {
+        return Err(ModelError::Shape {
+            op: OP,
+            what: "x",
+            expected: "[.., tq, tk] with 0 < tq <= tk".into(),
+            got: format!("{dims:?}"),
+        });
+    }
+    if !is_float(x.dtype()) {
+        return Err(ModelError::Dtype {
+            op: OP,
+            what: "x",
+            expected: FLOAT_DTYPES,
+            got: x.dtype(),
+        });
+    }
+    if !scale.is_finite() {
+        return Err(ModelError::InvalidValue {
+            field: "scale",
+            value: scale,
+            expected: "finite",
+        });
+    }
+    Ok(x.contiguous()?.apply_op1(CausalSoftmax { scale })?)
+}
+
+/// The forward op.
+struct CausalSoftmax {
+    scale: f64,
+}
+
+/// Number of unmasked positions of flat row `r`.
+#[inline(always)]
+fn visible(r: usize, tq: usize, tk: usize) -> usize {
+    (r % tq) + (tk - tq) + 1
+}
+
+fn softmax_fwd<T: Elem>(x: &[T], tq: usize, tk: usize, scale: f64) -> candle_core::Result<Vec<T>> {
+    let s = <T::F as Float>::from_f64(scale);
+    let mut y = output_vec::<T>(x.len());
+    par_rows(&mut y, tk, 3 * tk, |row0, out| {
+        let mut e = vec![<T::F as Float>::ZERO; tk];
+        for (r, yr) in out.chunks_mut(tk).enumerate() {
+            let row = row0 + r;
+            let n = visible(row, tq, tk);
+            let xr = &x[row * tk..row * tk + n];
+            let mut max = <T::F as Float>::NEG_INFINITY;
+            for &v in xr {
+                max = max.max(v.load() * s);
+            }
+            let mut sum = <T::F as Float>::ZERO;
+            for (ej, &v) in e[..n].iter_mut().zip(xr) {
+                *ej = (v.load() * s - max).exp();
+                sum += *ej;
+            }
+            let inv = <T::F as Float>::ONE / sum;
+            for (o, &ej) in yr[..n].iter_mut().zip(&e[..n]) {
+                *o = T::store(ej * inv);
+            }
+            // the masked tail stays exactly zero (output_vec)
+        }
+    })?;
+    Ok(y)
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "kiln-causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let dims = l.dims();
+        let (tq, tk) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        with_float_storage!(s, op, |xs| {
+            let x = contiguous(xs, l, op)?;
+            let y = softmax_fwd(x, tq, tk, self.scale)?;
+            Ok((Elem::into_storage(y), l.shape().clone()))
+        })
+    }
+
+    fn bwd(&self, _x: &Tensor, y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let grad = grad.to_dtype(y.dtype())?.contiguous()?;
+        let dx = y.apply_op2_no_bwd(&grad, &CausalSoftmaxBwd { scale: self.scale })?;
+        Ok(Some(dx))
+    }
+}
+
+/// The backward kernel: `(y, dy) -> dx = scale * y * (dy - sum(dy * y))` on the visible part.
+struct CausalSoftmaxBwd {
+    scale: f64,
+}
+
+fn softmax_bwd<T: Elem>(
+    y: &[T],
+    dy: &[T],
+    tq: usize,
+    tk: usize,
+    scale: f64,
+) -> candle_core::Result<Vec<T>> {
+    let s = <T::F as Float>::from_f64(scale);
+    let mut dx = output_vec::<T>(y.len());
+    par_rows(&mut dx, tk, 3 * tk, |row0, out| {
+        for (r, dxr) in out.chunks_mut(tk).enumerate() {
+            let row = row0 + r;
+            let n = visible(row, tq, tk);
+            let yr = &y[row * tk..row * tk + n];
+            let gr = &dy[row * tk..row * tk + n];
+            let mut dot = <T::F as Float>::ZERO;
+            for (&a, &g) in yr.iter().zip(gr) {
+                dot += a.load() * g.load();
+            }
+            for ((o, &a), &g) in dxr[..n].iter_mut().zip(yr).zip(gr) {
+                *o = T::store(s * a.load() * (g.load() - dot));
+            }
+        }
+    })?;
+    Ok(dx)
+}
+
+impl CustomOp2 for CausalSoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "kiln-causal-softmax-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let dims = l1.dims();
+        let (tq, tk) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        with_float_storage!(s1, op, |ys| {
+            let y = contiguous(ys, l1, op)?;
+            let dy = contiguous(same_type(y, s2, op)?, l2, op)?;
+            if dy.len() != y.len() {
+                return Err(candle_core::Error::msg(format!("{op}: dy and y differ in size")));
+            }
+            let dx = softmax_bwd(y, dy, tq, tk, self.scale)?;
+            Ok((Elem::into_storage(dx), l1.shape().clone()))
+        })
+    }
+}
