@@ -1,0 +1,325 @@
+//! Bytes per rank for model states, activations and communication buffers.
+//!
+//! Model states follow the ZeRO paper (Rajbhandari et al., 2020): with mixed-precision Adam every
+//! parameter costs 2 bytes of 16-bit weights, 2 bytes of 16-bit gradients and K = 12 bytes of
+//! optimizer state (fp32 master weights, momentum, variance). Over a data-parallel group of N:
+//! plain data parallel holds (2 + 2 + K)Ψ, ZeRO-1 (optimizer states) 2Ψ + 2Ψ + KΨ/N, ZeRO-2
+//! (+ gradients) 2Ψ + (2 + K)Ψ/N, ZeRO-3 (+ parameters) (2 + 2 + K)Ψ/N. With fp32 compute the
+//! weights and gradients take 4 bytes and the optimizer state 8 (momentum, variance; the weights
+//! are the master copy).
+//!
+//! Activations are counted for kiln's GPT block (pre-LayerNorm, fused QKV, causal softmax that
+//! saves its output, tanh-GELU MLP, no dropout): per layer it keeps the LayerNorm inputs and
+//! outputs (4·s·b·h elements, replicated under tensor parallelism), QKV, the attention output and
+//! the two MLP activations (12·s·b·h / t) and the attention scores and probabilities
+//! (2·a·s²·b / t), where s is the sequence length, b the micro-batch, h the model width, a the
+//! number of heads and t the tensor-parallel degree. Korthikanti et al. (2022) count
+//! 34·s·b·h + 5·a·s²·b bytes for Megatron's block in 16-bit with dropout; kiln's block has no
+//! dropout masks. With activation checkpointing a block keeps only its input (s·b·h) and one
+//! block's activations exist at a time, during its recomputation.
+
+use crate::error::{MemoryError, Result};
+
+/// The shape of a decoder-only transformer, as far as memory is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModelShape {
+    /// Number of transformer blocks.
+    pub n_layers: u64,
+    /// Model width.
+    pub d_model: u64,
+    /// Attention heads.
+    pub n_heads: u64,
+    /// Context length (sequence length of a micro-batch).
+    pub ctx: u64,
+    /// Vocabulary size.
+    pub vocab: u64,
+}
+
+impl ModelShape {
+    /// Parameters of a GPT-2/3 style decoder with tied embeddings, learned positions, biases and
+    /// LayerNorms: 12·L·h² + 13·L·h + (V + s)·h + 2h.
+    pub fn params(&self) -> u64 {
+        let (l, h) = (self.n_layers, self.d_model);
+        12 * l * h * h + 13 * l * h + (self.vocab + self.ctx) * h + 2 * h
+    }
+
+    /// Parameters one rank holds under tensor-parallel degree `tp` (Megatron layout: QKV, fc1
+    /// and their biases split by columns, the output projections split by rows with replicated
+    /// biases, a vocab-parallel embedding, replicated positions and LayerNorms).
+    pub fn params_per_tp_rank(&self, tp: u64) -> u64 {
+        let (l, h) = (self.n_layers, self.d_model);
+        let split = l * (12 * h * h + 3 * h + 4 * h) + self.vocab * h;
+        let replicated = l * (h + h + 4 * h) + self.ctx * h + 2 * h;
+        split / tp.max(1) + replicated
+    }
+}
+
+/// Numeric precision of the training run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemPrecision {
+    /// fp32 weights, gradients and activations; Adam keeps momentum and variance (8 bytes).
+    F32,
+    /// 16-bit (fp16 or bf16) weights, gradients and activations, fp32 master weights, momentum and
+    /// variance (K = 12).
+    Mixed16,
+}
+
+impl MemPrecision {
+    /// Bytes of a weight, gradient or activation element.
+    pub fn compute_bytes(self) -> u64 {
+        match self {
+            MemPrecision::F32 => 4,
+            MemPrecision::Mixed16 => 2,
+        }
+    }
+    /// Optimizer-state bytes per parameter (K in the ZeRO paper).
+    pub fn optimizer_bytes(self) -> u64 {
+        match self {
+            MemPrecision::F32 => 8,
+            MemPrecision::Mixed16 => 12,
+        }
+    }
+}
+
+/// How model states are split over the data-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardingStage {
+    /// Plain data parallel: everything replicated.
+    Replicated,
+    /// ZeRO-1: optimizer states sharded.
+    Zero1,
+    /// ZeRO-2: optimizer states and gradients sharded.
+    Zero2,
+    /// ZeRO-3: optimizer states, gradients and parameters sharded.
+    Zero3,
+}
+
+/// Everything that decides the memory of one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryPlan {
+    /// The model.
+    pub shape: ModelShape,
+    /// Precision.
+    pub precision: MemPrecision,
+    /// Sharding stage over the data-parallel group.
+    pub stage: ShardingStage,
+    /// Data-parallel degree.
+    pub dp: u64,
+    /// Tensor-parallel degree.
+    pub tp: u64,
+    /// Micro-batch size (sequences).
+    pub micro_batch: u64,
+    /// Whether blocks recompute their activations.
+    pub checkpointing: bool,
+    /// Gradient bucket size in bytes (communication buffers; DDP's default is 25 MB).
+    pub bucket_bytes: u64,
+}
+
+/// Bytes per rank, by category.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryEstimate {
+    /// Parameters this rank holds (model-state count Ψ/tp).
+    pub params_per_rank: u64,
+    /// Weights in compute precision.
+    pub weights: u64,
+    /// Gradients.
+    pub grads: u64,
+    /// Optimizer states (master weights, moments).
+    pub optimizer: u64,
+    /// Activations of one micro-batch, at the peak of forward and backward.
+    pub activations: u64,
+    /// Communication buffers.
+    pub comm_buffers: u64,
+}
+
+impl MemoryEstimate {
+    /// Weights + gradients + optimizer states.
+    pub fn model_states(&self) -> u64 {
+        self.weights + self.grads + self.optimizer
+    }
+    /// Everything.
+    pub fn total(&self) -> u64 {
+        self.model_states() + self.activations + self.comm_buffers
+    }
+}
+
+impl MemoryPlan {
+    /// Checks the degrees against the model.
+    pub fn validate(&self) -> Result<()> {
+        let s = &self.shape;
+        for (field, v) in [
+            ("n_layers", s.n_layers),
+            ("d_model", s.d_model),
+            ("n_heads", s.n_heads),
+            ("ctx", s.ctx),
+            ("vocab", s.vocab),
+            ("dp", self.dp),
+            ("tp", self.tp),
+            ("micro_batch", self.micro_batch),
+        ] {
+            if v == 0 {
+                return Err(MemoryError::Config {
+                    field,
+                    message: "must be at least 1, got 0".into(),
+                });
+            }
+        }
+        if s.n_heads % self.tp != 0 || s.d_model % self.tp != 0 {
+            return Err(MemoryError::Config {
+                field: "tp",
+                message: format!(
+                    "tensor_parallel_degree ({}) must divide n_heads ({}) and d_model ({})",
+                    self.tp, s.n_heads, s.d_model
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The estimate. Model states follow the ZeRO formulas exactly (see the module docs).
+    pub fn estimate(&self) -> Result<MemoryEstimate> {
+        self.validate()?;
+        let psi = self.shape.params_per_tp_rank(self.tp);
+        let n = self.dp;
+        let c = self.precision.compute_bytes();
+        let k = self.precision.optimizer_bytes();
+        let shard = |bytes: u64| bytes.div_ceil(n);
+        let (weights, grads, optimizer) = match self.stage {
+            ShardingStage::Replicated => (c * psi, c * psi, k * psi),
+            ShardingStage::Zero1 => (c * psi, c * psi, shard(k * psi)),
+            ShardingStage::Zero2 => (c * psi, shard(c * psi), shard(k * psi)),
+            ShardingStage::Zero3 => (shard(c * psi), shard(c * psi), shard(k * psi)),
+        };
+        let comm_buffers = match self.stage {
+            // one bucket being reduced while the next fills
+            ShardingStage::Replicated | ShardingStage::Zero1 => 2 * self.bucket_bytes,
+            // reduce-scatter input bucket plus the gathered parameters of one block
+            ShardingStage::Zero2 => 2 * self.bucket_bytes,
+            ShardingStage::Zero3 => 2 * self.bucket_bytes + c * self.block_params_per_rank() * 2,
+        };
+        Ok(MemoryEstimate {
+            params_per_rank: psi,
+            weights,
+            grads,
+            optimizer,
+            activations: self.activation_bytes(),
+            comm_buffers,
+        })
+    }
+
+    fn block_params_per_rank(&self) -> u64 {
+        let h = self.shape.d_model;
+        (12 * h * h + 7 * h) / self.tp + 6 * h
+    }
+
+    /// Activation bytes of one micro-batch (see the module docs for the count).
+    pub fn activation_bytes(&self) -> u64 {
+        let s = &self.shape;
+        let (sq, b, h, a, t) = (s.ctx, self.micro_batch, s.d_model, s.n_heads, self.tp);
+        let c = self.precision.compute_bytes();
+        let per_layer = c * (s.ctx * b * h * 4 + s.ctx * b * h * 12 / t + 2 * a * sq * sq * b / t);
+        let layer_input = c * sq * b * h;
+        // embedding output, logits and their gradient (vocab-parallel)
+        let ends = c * sq * b * h + 2 * c * sq * b * s.vocab / t;
+        if self.checkpointing {
+            s.n_layers * layer_input + per_layer + ends
+        } else {
+            s.n_layers * per_layer + ends
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpt3() -> ModelShape {
+        ModelShape {
+            n_layers: 96,
+            d_model: 12288,
+            n_heads: 96,
+            ctx: 2048,
+            vocab: 50257,
+        }
+    }
+
+    fn plan(stage: ShardingStage, dp: u64) -> MemoryPlan {
+        MemoryPlan {
+            shape: gpt3(),
+            precision: MemPrecision::Mixed16,
+            stage,
+            dp,
+            tp: 1,
+            micro_batch: 1,
+            checkpointing: true,
+            bucket_bytes: 25 << 20,
+        }
+    }
+
+    #[test]
+    fn gpt3_has_175b_parameters() {
+        let p = gpt3().params();
+        assert!((174_500_000_000..175_300_000_000).contains(&p), "{p}");
+    }
+
+    #[test]
+    fn model_states_follow_the_zero_paper() {
+        let psi = gpt3().params();
+        for n in [1u64, 4, 64, 1024] {
+            let e = |s| plan(s, n).estimate().unwrap().model_states();
+            // divisions round up per category, so allow a few bytes
+            let close = |got: u64, want: f64| (got as f64 - want).abs() <= 4.0;
+            let p = psi as f64;
+            let nf = n as f64;
+            assert_eq!(e(ShardingStage::Replicated), 16 * psi);
+            assert!(close(e(ShardingStage::Zero1), 4.0 * p + 12.0 * p / nf));
+            assert!(close(e(ShardingStage::Zero2), 2.0 * p + 14.0 * p / nf));
+            assert!(close(e(ShardingStage::Zero3), 16.0 * p / nf));
+        }
+        // the paper's headline: 7.5B parameters, N = 64, ZeRO-3 -> 1.88 GB
+        let mut p75 = plan(ShardingStage::Zero3, 64);
+        p75.shape = ModelShape {
+            n_layers: 32,
+            d_model: 4096,
+            n_heads: 32,
+            ctx: 2048,
+            vocab: 50257,
+        };
+        let ms = p75.estimate().unwrap().model_states() as f64;
+        let psi = p75.shape.params() as f64;
+        assert!((ms - 16.0 * psi / 64.0).abs() < 8.0);
+    }
+
+    #[test]
+    fn tensor_parallel_splits_most_parameters() {
+        let s = gpt3();
+        assert_eq!(s.params_per_tp_rank(1), s.params());
+        let per8 = s.params_per_tp_rank(8);
+        assert!(per8 > s.params() / 8 && per8 < s.params() / 8 + s.params() / 100);
+    }
+
+    #[test]
+    fn checkpointing_cuts_activations() {
+        let mut p = plan(ShardingStage::Zero1, 8);
+        let with = p.activation_bytes();
+        p.checkpointing = false;
+        let without = p.activation_bytes();
+        assert!(with * 10 < without, "{with} vs {without}");
+    }
+
+    #[test]
+    fn invalid_degrees_name_every_factor() {
+        let mut p = plan(ShardingStage::Zero1, 8);
+        p.tp = 5;
+        let e = p.estimate().unwrap_err().to_string();
+        assert!(
+            e.contains("(5)") && e.contains("(96)") && e.contains("(12288)"),
+            "{e}"
+        );
+        p.tp = 1;
+        p.dp = 0;
+        assert!(p.estimate().unwrap_err().to_string().contains("dp"));
+    }
+}

@@ -1,0 +1,41 @@
+//! Making big models fit: segmented execution with hooks between segments, activation
+//! checkpointing, memory estimates and a micro-batch size that follows the memory budget.
+//!
+//! - [`Executor`] runs a [`SegmentedModel`] (embedding, blocks, head) forward and then backward
+//!   one segment at a time. A [`GradHook`] receives each segment's gradients as soon as they
+//!   exist (data parallel overlaps its all-reduce with the backward of the segments below), a
+//!   [`ParamProvider`] supplies each segment's parameters per call (ZeRO-3 gathers and frees
+//!   them), and a [`CheckpointPolicy`] drops chosen segments' activations after forward and
+//!   recomputes them before backward. Gradients equal a whole-model `backward()`.
+//! - [`MemoryPlan::estimate`] gives bytes per rank for weights, gradients, optimizer states
+//!   (the ZeRO paper's formulas), activations and communication buffers.
+//! - [`DynamicBatch`] picks the largest micro-batch that fits a budget and adapts to
+//!   out-of-memory and headroom reports while the global batch stays constant.
+//!
+//! ```
+//! use kiln_memory::{MemPrecision, MemoryPlan, ModelShape, ShardingStage};
+//! let shape = ModelShape { n_layers: 96, d_model: 12288, n_heads: 96, ctx: 2048, vocab: 50257 };
+//! let plan = MemoryPlan {
+//!     shape, precision: MemPrecision::Mixed16, stage: ShardingStage::Zero3,
+//!     dp: 64, tp: 1, micro_batch: 1, checkpointing: true, bucket_bytes: 25 << 20,
+//! };
+//! let e = plan.estimate()?;
+//! // ZeRO-3: 16 bytes per parameter (2 + 2 + 12) spread over 64 ranks: about 43.6 GB each
+//! let want = 16.0 * shape.params() as f64 / 64.0;
+//! assert!((e.model_states() as f64 - want).abs() < 4.0);
+//! # Ok::<(), kiln_memory::MemoryError>(())
+//! ```
+#![deny(missing_docs)]
+
+mod dynamic_batch;
+mod error;
+mod estimate;
+mod segment;
+
+pub use dynamic_batch::DynamicBatch;
+pub use error::{BoxError, MemoryError, Result};
+pub use estimate::{MemPrecision, MemoryEstimate, MemoryPlan, ModelShape, ShardingStage};
+pub use segment::{
+    CheckpointPolicy, CollectGrads, Executor, GradHook, ParamProvider, Phase, SegmentParams,
+    SegmentedModel, StaticParams, StepOutput,
+};

@@ -1,0 +1,397 @@
+//! Segmented execution: a model run as a chain of segments, backward one segment at a time, with
+//! hooks between segments.
+//!
+//! candle's `backward()` returns every gradient at the end, with no per-parameter hook while it
+//! runs. The [`Executor`] gets the same effect by keeping each segment's input as a fresh leaf
+//! `Var` and running backward segment by segment from the top with a seeded backward
+//! (`(output * grad_output).sum_all().backward()`): after each segment, its parameter gradients
+//! go to a [`GradHook`] (bucketed all-reduce or reduce-scatter overlapping the segments below),
+//! and the gradient of its input seeds the segment below. Between segments the executor can also
+//! recompute a segment's forward just before its backward (activation checkpointing, see
+//! [`CheckpointPolicy`]) and ask a [`ParamProvider`] for a segment's parameters just before it
+//! runs (ZeRO-3 gathers them there and frees them after).
+
+use crate::error::{BoxError, MemoryError, Result};
+use candle_core::{Tensor, Var};
+
+/// Why the executor asks for a segment's parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The forward pass.
+    Forward,
+    /// Recomputing a checkpointed segment's forward just before its backward.
+    Recompute,
+}
+
+/// The parameters a segment runs with, by name.
+#[derive(Debug, Clone, Default)]
+pub struct SegmentParams {
+    vars: Vec<(String, Var)>,
+}
+
+impl SegmentParams {
+    /// Wraps named variables.
+    pub fn new(vars: Vec<(String, Var)>) -> Self {
+        Self { vars }
+    }
+
+    /// The variable called `name`.
+    pub fn get(&self, name: &str) -> candle_core::Result<&Var> {
+        self.vars
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+            .ok_or_else(|| {
+                candle_core::Error::Msg(format!("segment parameter {name} not provided"))
+            })
+    }
+
+    /// The variable called `name`, as a tensor.
+    pub fn tensor(&self, name: &str) -> candle_core::Result<&Tensor> {
+        self.get(name).map(|v| v.as_tensor())
+    }
+
+    /// All named variables, in order.
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    /// Number of variables.
+    pub fn len(&self) -> usize {
+        self.vars.len()
+    }
+
+    /// True when there is no variable.
+    pub fn is_empty(&self) -> bool {
+        self.vars.is_empty()
+    }
+}
+
+/// A model that runs as a chain of segments (embedding, each block, head).
+///
+/// Segment 0 receives the model input (for a language model, the token ids); segment `i > 0`
+/// receives segment `i - 1`'s output. The last segment returns the scalar loss.
+pub trait SegmentedModel {
+    /// Number of segments (at least 1).
+    fn num_segments(&self) -> usize;
+
+    /// Runs segment `i` on `input` with `params` (from the [`ParamProvider`]); `targets` is
+    /// passed to every segment and used by the last one.
+    fn forward_segment(
+        &self,
+        i: usize,
+        input: &Tensor,
+        targets: &Tensor,
+        params: &SegmentParams,
+    ) -> candle_core::Result<Tensor>;
+}
+
+/// Supplies each segment's parameters for one call.
+///
+/// The plain provider returns the model's own variables; ZeRO-3 all-gathers the segment's shards
+/// into fresh variables in [`ParamProvider::acquire`] and drops them in
+/// [`ParamProvider::release`].
+pub trait ParamProvider {
+    /// The parameters segment `segment` runs with now.
+    fn acquire(
+        &mut self,
+        segment: usize,
+        phase: Phase,
+    ) -> std::result::Result<SegmentParams, BoxError>;
+
+    /// Called when the executor no longer needs the parameters it acquired (after the forward of
+    /// a checkpointed segment, or after a segment's backward).
+    fn release(
+        &mut self,
+        segment: usize,
+        params: SegmentParams,
+    ) -> std::result::Result<(), BoxError> {
+        let _ = (segment, params);
+        Ok(())
+    }
+}
+
+/// Receives each segment's parameter gradients as soon as its backward is done, from the last
+/// segment to the first. A parameter used by two segments (tied embeddings) is delivered once per
+/// segment; the hook adds them (the head's first).
+pub trait GradHook {
+    /// The gradients of segment `segment`'s parameters, by name (parameters that received no
+    /// gradient are absent).
+    fn segment_grads(
+        &mut self,
+        segment: usize,
+        grads: Vec<(String, Tensor)>,
+    ) -> std::result::Result<(), BoxError>;
+}
+
+/// A [`GradHook`] that keeps every gradient, summing repeated names (for tests and simple
+/// single-rank training).
+#[derive(Debug, Default)]
+pub struct CollectGrads {
+    grads: Vec<(String, Tensor)>,
+}
+
+impl CollectGrads {
+    /// The collected gradients, in the order they first arrived.
+    pub fn into_grads(self) -> Vec<(String, Tensor)> {
+        self.grads
+    }
+
+    /// The gradient of `name`, if any arrived.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.grads.iter().find(|(n, _)| n == name).map(|(_, g)| g)
+    }
+}
+
+impl GradHook for CollectGrads {
+    fn segment_grads(
+        &mut self,
+        _segment: usize,
+        grads: Vec<(String, Tensor)>,
+    ) -> std::result::Result<(), BoxError> {
+        for (name, g) in grads {
+            if let Some((_, acc)) = self.grads.iter_mut().find(|(n, _)| *n == name) {
+                *acc = acc.add(&g)?;
+            } else {
+                self.grads.push((name, g));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A [`ParamProvider`] handing out fixed variables per segment (the model's own).
+#[derive(Debug, Clone)]
+pub struct StaticParams {
+    per_segment: Vec<SegmentParams>,
+}
+
+impl StaticParams {
+    /// One [`SegmentParams`] per segment.
+    pub fn new(per_segment: Vec<SegmentParams>) -> Self {
+        Self { per_segment }
+    }
+}
+
+impl ParamProvider for StaticParams {
+    fn acquire(
+        &mut self,
+        segment: usize,
+        _phase: Phase,
+    ) -> std::result::Result<SegmentParams, BoxError> {
+        self.per_segment.get(segment).cloned().ok_or_else(|| {
+            format!(
+                "no parameters for segment {segment} of {}",
+                self.per_segment.len()
+            )
+            .into()
+        })
+    }
+}
+
+/// Which segments drop their activations after forward and recompute them before backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "k")]
+pub enum CheckpointPolicy {
+    /// Keep every activation (fastest, most memory).
+    #[default]
+    None,
+    /// Recompute every block (every segment but the first and the last).
+    EveryBlock,
+    /// Recompute every k-th block (blocks 0, k, 2k, ... counted from the first block).
+    EveryKth(usize),
+}
+
+impl CheckpointPolicy {
+    /// True when segment `i` of `n` is recomputed. The first (embedding) and last (head, loss)
+    /// segments are never checkpointed: the first has no differentiable input and the last is
+    /// needed right away.
+    pub fn recomputes(self, i: usize, n: usize) -> bool {
+        if i == 0 || i + 1 >= n {
+            return false;
+        }
+        let block = i - 1;
+        match self {
+            CheckpointPolicy::None => false,
+            CheckpointPolicy::EveryBlock => true,
+            CheckpointPolicy::EveryKth(k) => k > 0 && block % k == 0,
+        }
+    }
+}
+
+/// What one forward and backward pass produced.
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    /// The (unscaled) loss, detached.
+    pub loss: Tensor,
+    /// Segments whose forward ran twice (checkpointed).
+    pub recomputed: usize,
+}
+
+struct Saved {
+    /// The segment's input (a fresh leaf `Var` for every segment but the first).
+    input: Tensor,
+    /// The output with its graph, when the segment is not checkpointed.
+    output: Option<Tensor>,
+    /// The parameters the kept graph uses.
+    params: Option<SegmentParams>,
+}
+
+/// Runs a [`SegmentedModel`] forward and backward segment by segment.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// use kiln_memory::{CheckpointPolicy, CollectGrads, Executor, SegmentParams, SegmentedModel, StaticParams};
+///
+/// // loss = sum((x * w0) * w1)
+/// struct Chain;
+/// impl SegmentedModel for Chain {
+///     fn num_segments(&self) -> usize { 2 }
+///     fn forward_segment(&self, i: usize, x: &Tensor, _t: &Tensor, p: &SegmentParams) -> candle_core::Result<Tensor> {
+///         let y = x.broadcast_mul(p.tensor(&format!("w{i}"))?)?;
+///         if i == 1 { y.sum_all() } else { Ok(y) }
+///     }
+/// }
+/// let dev = Device::Cpu;
+/// let w0 = Var::new(&[2.0f32, 3.0], &dev)?;
+/// let w1 = Var::new(&[5.0f32, 7.0], &dev)?;
+/// let mut params = StaticParams::new(vec![
+///     SegmentParams::new(vec![("w0".into(), w0)]),
+///     SegmentParams::new(vec![("w1".into(), w1)]),
+/// ]);
+/// let x = Tensor::new(&[1.0f32, 1.0], &dev)?;
+/// let mut grads = CollectGrads::default();
+/// let out = Executor::new(CheckpointPolicy::None).run(&Chain, &x, &x, &mut params, &mut grads, 1.0)?;
+/// assert_eq!(out.loss.to_scalar::<f32>()?, 2.0 * 5.0 + 3.0 * 7.0);
+/// assert_eq!(grads.get("w0").unwrap().to_vec1::<f32>()?, vec![5.0, 7.0]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Executor {
+    policy: CheckpointPolicy,
+}
+
+impl Executor {
+    /// An executor with the given activation-checkpointing policy.
+    pub fn new(policy: CheckpointPolicy) -> Self {
+        Self { policy }
+    }
+
+    /// The checkpointing policy.
+    pub fn policy(&self) -> CheckpointPolicy {
+        self.policy
+    }
+
+    /// Runs forward and backward once. Gradients are of `loss * loss_scale` (pass the loss
+    /// scaler's scale for mixed precision, 1.0 otherwise); the returned loss is unscaled.
+    pub fn run<M: SegmentedModel + ?Sized>(
+        &self,
+        model: &M,
+        input: &Tensor,
+        targets: &Tensor,
+        provider: &mut dyn ParamProvider,
+        hook: &mut dyn GradHook,
+        loss_scale: f64,
+    ) -> Result<StepOutput> {
+        let n = model.num_segments();
+        if n == 0 {
+            return Err(MemoryError::Segment {
+                segment: 0,
+                message: "the model has no segment".into(),
+            });
+        }
+        let mut saved: Vec<Saved> = Vec::with_capacity(n);
+        let mut x = input.clone();
+        for i in 0..n {
+            let params = provider
+                .acquire(i, Phase::Forward)
+                .map_err(|source| hook_err("parameter provider", i, source))?;
+            let seg_input = if i == 0 {
+                x
+            } else {
+                Var::from_tensor(&x.detach())?.as_tensor().clone()
+            };
+            let out = model.forward_segment(i, &seg_input, targets, &params)?;
+            x = out.detach();
+            if self.policy.recomputes(i, n) {
+                drop(out);
+                provider
+                    .release(i, params)
+                    .map_err(|source| hook_err("parameter provider", i, source))?;
+                saved.push(Saved {
+                    input: seg_input,
+                    output: None,
+                    params: None,
+                });
+            } else {
+                saved.push(Saved {
+                    input: seg_input,
+                    output: Some(out),
+                    params: Some(params),
+                });
+            }
+        }
+        let loss = x;
+        if loss.elem_count() != 1 {
+            return Err(MemoryError::Segment {
+                segment: n - 1,
+                message: format!(
+                    "the last segment must return a scalar loss, got shape {:?}",
+                    loss.dims()
+                ),
+            });
+        }
+
+        let mut recomputed = 0;
+        let mut grad_out: Option<Tensor> = None;
+        while let Some(s) = saved.pop() {
+            let i = saved.len();
+            let (out, params) = match (s.output, s.params) {
+                (Some(out), Some(params)) => (out, params),
+                _ => {
+                    let params = provider
+                        .acquire(i, Phase::Recompute)
+                        .map_err(|source| hook_err("parameter provider", i, source))?;
+                    recomputed += 1;
+                    (
+                        model.forward_segment(i, &s.input, targets, &params)?,
+                        params,
+                    )
+                }
+            };
+            let grads = match grad_out.take() {
+                None if loss_scale == 1.0 => out.backward()?,
+                None => out.affine(loss_scale, 0.0)?.backward()?,
+                Some(g) => out.mul(&g)?.sum_all()?.backward()?,
+            };
+            drop(out);
+            if i > 0 {
+                let g = match grads.get(&s.input) {
+                    Some(g) => g.clone(),
+                    None => s.input.zeros_like()?,
+                };
+                grad_out = Some(g);
+            }
+            let param_grads: Vec<(String, Tensor)> = params
+                .vars()
+                .iter()
+                .filter_map(|(name, v)| grads.get(v.as_tensor()).map(|g| (name.clone(), g.clone())))
+                .collect();
+            drop(grads);
+            hook.segment_grads(i, param_grads)
+                .map_err(|source| hook_err("gradient hook", i, source))?;
+            provider
+                .release(i, params)
+                .map_err(|source| hook_err("parameter provider", i, source))?;
+        }
+        Ok(StepOutput { loss, recomputed })
+    }
+}
+
+fn hook_err(what: &'static str, segment: usize, source: BoxError) -> MemoryError {
+    MemoryError::Hook {
+        what,
+        segment,
+        source,
+    }
+}
