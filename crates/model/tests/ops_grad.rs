@@ -1,0 +1,351 @@
+//! The fused ops against central finite differences (f64), against composite candle
+//! implementations (f64, f32, and at sizes that take the multi-threaded path), and in f16 /
+//! bf16 against the f32 result on the same inputs.
+//!
+//! Tolerances (|a - e| <= atol + rtol |e|):
+//! - finite differences, f64, h = 1e-6: atol 1e-7, rtol 1e-6 (truncation error ~h^2);
+//! - fused vs composite: f64 atol 1e-11 rtol 1e-9; f32 atol 2e-5 rtol 1e-4;
+//! - half vs f32 on identical inputs (values exactly representable in bf16, hence in f16 and
+//!   f32): the kernels compute in f32 and round once, so the bound is about one ulp of the
+//!   half type: f16 atol 1e-4 rtol 2e-3 (ulp 2^-10), bf16 atol 1e-3 rtol 1.6e-2 (ulp 2^-7).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use candle_core::{DType, Device, Tensor, Var};
+use half::bf16;
+use kiln_model::{keyed_rng, ops, reference};
+use kiln_testkit::assert_close;
+use rand::Rng;
+
+type OpFn = dyn Fn(&[Tensor]) -> anyhow::Result<Tensor>;
+
+/// Deterministic values in [-scale, scale] + offset, rounded to bf16 precision.
+fn values(key: &str, n: usize, scale: f64, offset: f64) -> Vec<f64> {
+    let mut rng = keyed_rng(1234, key);
+    (0..n)
+        .map(|_| {
+            let v = offset + scale * (2.0 * rng.gen::<f64>() - 1.0);
+            bf16::from_f64(v).to_f64()
+        })
+        .collect()
+}
+
+struct Input {
+    shape: Vec<usize>,
+    vals: Vec<f64>,
+    grad: bool,
+}
+
+fn input(key: &str, shape: &[usize], scale: f64, offset: f64, grad: bool) -> Input {
+    let n = shape.iter().product();
+    Input {
+        shape: shape.to_vec(),
+        vals: values(key, n, scale, offset),
+        grad,
+    }
+}
+
+/// Runs `f` on the inputs in `dtype`; returns the output (as f64) and the gradient of
+/// `sum(out * r)` w.r.t. each input marked `grad` (as f64), with `r` drawn from `r_key`.
+fn run(f: &OpFn, inputs: &[Input], dtype: DType, r_key: &str) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let dev = Device::Cpu;
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|i| {
+            let t = Tensor::from_vec(i.vals.clone(), i.shape.as_slice(), &dev).unwrap();
+            Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()
+        })
+        .collect();
+    let tensors: Vec<Tensor> = vars
+        .iter()
+        .zip(inputs)
+        .map(|(v, i)| if i.grad { v.as_tensor().clone() } else { v.as_detached_tensor() })
+        .collect();
+    let out = f(&tensors).unwrap();
+    let acc = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+    let out_acc = out.to_dtype(acc).unwrap();
+    let r = Tensor::from_vec(values(r_key, out.elem_count(), 1.0, 0.0), out.shape(), &dev)
+        .unwrap()
+        .to_dtype(acc)
+        .unwrap();
+    let l = (out_acc.clone() * r).unwrap().sum_all().unwrap();
+    let grads = l.backward().unwrap();
+    let gs = vars
+        .iter()
+        .zip(inputs)
+        .filter(|(_, i)| i.grad)
+        .map(|(v, _)| flat(grads.get(v).expect("no gradient reached an input")))
+        .collect();
+    (flat(&out_acc), gs)
+}
+
+fn flat(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// `sum(f(inputs) * r)` in f64 without autograd.
+fn objective(f: &OpFn, inputs: &[Input], r_key: &str) -> f64 {
+    let ts: Vec<Tensor> = inputs
+        .iter()
+        .map(|i| Tensor::from_vec(i.vals.clone(), i.shape.as_slice(), &Device::Cpu).unwrap())
+        .collect();
+    let out = f(&ts).unwrap();
+    let r = values(r_key, out.elem_count(), 1.0, 0.0);
+    flat(&out).iter().zip(&r).map(|(a, b)| a * b).sum()
+}
+
+fn check_finite_differences(f: &OpFn, inputs: &mut [Input]) {
+    let (_, analytic) = run(f, inputs, DType::F64, "r");
+    let h = 1e-6;
+    let mut k = 0;
+    for idx in 0..inputs.len() {
+        if !inputs[idx].grad {
+            continue;
+        }
+        let mut numeric = Vec::new();
+        for e in 0..inputs[idx].vals.len() {
+            let v0 = inputs[idx].vals[e];
+            inputs[idx].vals[e] = v0 + h;
+            let up = objective(f, inputs, "r");
+            inputs[idx].vals[e] = v0 - h;
+            let down = objective(f, inputs, "r");
+            inputs[idx].vals[e] = v0;
+            numeric.push((up - down) / (2.0 * h));
+        }
+        assert_close(&analytic[k], &numeric, 1e-7, 1e-6);
+        k += 1;
+    }
+}
+
+fn check_against_composite(fused: &OpFn, composite: &OpFn, inputs: &[Input], dtype: DType) {
+    let (atol, rtol) = if dtype == DType::F64 { (1e-11, 1e-9) } else { (2e-5, 1e-4) };
+    let (yf, gf) = run(fused, inputs, dtype, "r");
+    let (yc, gc) = run(composite, inputs, dtype, "r");
+    assert_close(&yf, &yc, atol, rtol);
+    assert_eq!(gf.len(), gc.len());
+    for (a, b) in gf.iter().zip(&gc) {
+        assert_close(a, b, atol, rtol);
+    }
+}
+
+fn check_half(fused: &OpFn, inputs: &[Input]) {
+    let (y32, g32) = run(fused, inputs, DType::F32, "r");
+    for (dtype, atol, rtol) in [(DType::F16, 1e-4, 2e-3), (DType::BF16, 1e-3, 1.6e-2)] {
+        let (y, g) = run(fused, inputs, dtype, "r");
+        assert_close(&y, &y32, atol, rtol);
+        for (a, b) in g.iter().zip(&g32) {
+            assert_close(a, b, atol, rtol);
+        }
+    }
+}
+
+fn check_all(fused: &OpFn, composite: &OpFn, mut inputs: Vec<Input>) {
+    check_finite_differences(fused, &mut inputs);
+    check_against_composite(fused, composite, &inputs, DType::F64);
+    check_against_composite(fused, composite, &inputs, DType::F32);
+    check_half(fused, &inputs);
+}
+
+fn ln_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(ops::layer_norm(&x[0], &x[1], &x[2], 1e-5)?)
+}
+fn ln_composite(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(reference::layer_norm(&x[0], &x[1], &x[2], 1e-5)?)
+}
+
+#[test]
+fn layer_norm_gradients() {
+    check_all(
+        &ln_fused,
+        &ln_composite,
+        vec![
+            input("ln.x", &[2, 3, 6], 2.0, 0.5, true),
+            input("ln.w", &[6], 0.5, 1.0, true),
+            input("ln.b", &[6], 0.5, 0.0, true),
+        ],
+    );
+}
+
+#[test]
+fn layer_norm_multithreaded_matches_composite() {
+    // 600 rows of 256: several chunks on candle's worker pool
+    let inputs = vec![
+        input("ln.big.x", &[600, 256], 3.0, -1.0, true),
+        input("ln.big.w", &[256], 0.5, 1.0, true),
+        input("ln.big.b", &[256], 0.5, 0.0, true),
+    ];
+    check_against_composite(&ln_fused, &ln_composite, &inputs, DType::F32);
+}
+
+fn sm_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(ops::causal_softmax_scaled(&x[0], 0.7)?)
+}
+fn sm_composite(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(reference::causal_softmax_scaled(&x[0], 0.7)?)
+}
+
+#[test]
+fn causal_softmax_gradients() {
+    check_all(&sm_fused, &sm_composite, vec![input("sm.x", &[2, 2, 5, 5], 3.0, 0.0, true)]);
+    // rectangular scores: 3 queries over 6 keys, the first query sees 4
+    check_all(&sm_fused, &sm_composite, vec![input("sm.r", &[1, 3, 6], 3.0, 0.0, true)]);
+}
+
+#[test]
+fn causal_softmax_masks_exactly() {
+    let x = Tensor::from_vec(values("sm.m", 2 * 16, 5.0, 0.0), (2, 4, 4), &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let xv = Var::from_tensor(&x).unwrap();
+    let y = ops::causal_softmax(xv.as_tensor()).unwrap();
+    let r = Tensor::from_vec(values("sm.mr", 32, 1.0, 0.0), (2, 4, 4), &Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let g = (y.clone() * r).unwrap().sum_all().unwrap().backward().unwrap();
+    let y = y.to_vec3::<f32>().unwrap();
+    let g = g.get(&xv).unwrap().to_vec3::<f32>().unwrap();
+    for b in 0..2 {
+        for i in 0..4 {
+            let row_sum: f32 = y[b][i].iter().sum();
+            assert!((row_sum - 1.0).abs() < 1e-6);
+            for j in i + 1..4 {
+                assert_eq!(y[b][i][j], 0.0, "y[{b}][{i}][{j}]");
+                assert_eq!(g[b][i][j], 0.0, "grad[{b}][{i}][{j}]");
+            }
+        }
+    }
+    assert!(ops::causal_softmax(&Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap()).is_err());
+}
+
+#[test]
+fn causal_softmax_multithreaded_matches_composite() {
+    let inputs = vec![input("sm.big", &[2, 4, 128, 128], 4.0, 0.0, true)];
+    check_against_composite(&sm_fused, &sm_composite, &inputs, DType::F32);
+}
+
+fn gelu_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(ops::gelu(&x[0])?)
+}
+fn gelu_composite(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(reference::gelu(&x[0])?)
+}
+
+#[test]
+fn gelu_gradients() {
+    check_all(&gelu_fused, &gelu_composite, vec![input("gelu.x", &[3, 7], 4.0, 0.0, true)]);
+}
+
+#[test]
+fn gelu_multithreaded_matches_composite() {
+    // 300,000 elements: many 4096-element rows plus a ragged tail
+    let inputs = vec![input("gelu.big", &[300_003], 5.0, 0.0, true)];
+    check_against_composite(&gelu_fused, &gelu_composite, &inputs, DType::F32);
+}
+
+/// Targets for `n` rows over `v` classes, with id `v - 1`... replaced by the ignore index 99
+/// at every third row.
+fn targets(n: usize, v: usize) -> Tensor {
+    let t: Vec<u32> = (0..n)
+        .map(|i| if i % 3 == 2 { 99 } else { ((i * 7 + 3) % v) as u32 })
+        .collect();
+    Tensor::new(t, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn cross_entropy_gradients() {
+    let fused = |x: &[Tensor]| -> anyhow::Result<Tensor> {
+        let n = x[0].dim(0)?;
+        Ok(ops::cross_entropy(&x[0], &targets(n, 7), Some(99))?)
+    };
+    let composite = |x: &[Tensor]| -> anyhow::Result<Tensor> {
+        let n = x[0].dim(0)?;
+        Ok(reference::cross_entropy(&x[0], &targets(n, 7), Some(99))?)
+    };
+    check_all(&fused, &composite, vec![input("ce.x", &[5, 7], 4.0, 0.0, true)]);
+}
+
+#[test]
+fn cross_entropy_multithreaded_matches_composite() {
+    let fused = |x: &[Tensor]| -> anyhow::Result<Tensor> {
+        Ok(ops::cross_entropy(&x[0], &targets(512, 2000), Some(99))?)
+    };
+    let composite = |x: &[Tensor]| -> anyhow::Result<Tensor> {
+        Ok(reference::cross_entropy(&x[0], &targets(512, 2000), Some(99))?)
+    };
+    let inputs = vec![input("ce.big", &[512, 2000], 6.0, 0.0, true)];
+    check_against_composite(&fused, &composite, &inputs, DType::F32);
+}
+
+#[test]
+fn cross_entropy_closed_form_and_errors() {
+    let dev = Device::Cpu;
+    // uniform logits: loss ln(v), gradient (1/v - onehot) / count
+    let logits = Var::zeros((4, 5), DType::F32, &dev).unwrap();
+    let t = Tensor::new(&[1u32, 0, 9, 4], &dev).unwrap();
+    let loss = ops::cross_entropy(logits.as_tensor(), &t, Some(9)).unwrap();
+    assert!((loss.to_scalar::<f32>().unwrap() - 5f32.ln()).abs() < 1e-6);
+    let g = loss.backward().unwrap().get(&logits).unwrap().to_vec2::<f32>().unwrap();
+    assert_eq!(g[2], vec![0.0; 5]);
+    assert!((g[0][1] - (0.2 - 1.0) / 3.0).abs() < 1e-7 && (g[0][0] - 0.2 / 3.0).abs() < 1e-7);
+    // all ignored: zero loss, zero gradient
+    let all = Tensor::new(&[9u32, 9, 9, 9], &dev).unwrap();
+    let loss = ops::cross_entropy(logits.as_tensor(), &all, Some(9)).unwrap();
+    assert_eq!(loss.to_scalar::<f32>().unwrap(), 0.0);
+    // out of range target names position and value
+    let bad = Tensor::new(&[1u32, 5, 0, 0], &dev).unwrap();
+    let err = ops::cross_entropy(logits.as_tensor(), &bad, None).unwrap_err();
+    assert!(err.to_string().contains("target 5 at position 1"), "{err}");
+    let wrong = Tensor::new(&[1u32, 2], &dev).unwrap();
+    assert!(ops::cross_entropy(logits.as_tensor(), &wrong, None).is_err());
+}
+
+#[test]
+fn layer_norm_rejects_mismatched_arguments() {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 4), DType::F32, &dev).unwrap();
+    let w3 = Tensor::ones(3, DType::F32, &dev).unwrap();
+    let w4 = Tensor::ones(4, DType::F32, &dev).unwrap();
+    let w4h = Tensor::ones(4, DType::F16, &dev).unwrap();
+    let err = ops::layer_norm(&x, &w3, &w4, 1e-5).unwrap_err();
+    assert_eq!(err.to_string(), "layer_norm: weight has shape [3], expected [4]");
+    assert!(ops::layer_norm(&x, &w4, &w4h, 1e-5).is_err());
+}
+
+/// The trap of DESIGN.md: candle's fused layer norm and softmax build no backward node, so a
+/// model trained through them never updates its LayerNorm weights. If a candle release fixes
+/// this, this test fails and the note in DESIGN.md can go.
+#[test]
+fn candle_fused_layer_norm_and_softmax_drop_gradients() {
+    let dev = Device::Cpu;
+    let x = Var::from_tensor(
+        &Tensor::from_vec(values("trap.x", 12, 2.0, 0.0), (3, 4), &dev)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap(),
+    )
+    .unwrap();
+    let w = Var::ones(4, DType::F32, &dev).unwrap();
+    let b = Var::zeros(4, DType::F32, &dev).unwrap();
+    let r = Tensor::from_vec(values("trap.r", 12, 1.0, 0.0), (3, 4), &dev)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+
+    let y = candle_nn::ops::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
+    let grads = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(grads.get(&w).is_none(), "candle's layer_norm now has a weight gradient");
+    assert!(grads.get(&b).is_none(), "candle's layer_norm now has a bias gradient");
+    assert!(grads.get(&x).is_none(), "candle's layer_norm now has an input gradient");
+
+    let y = candle_nn::ops::softmax_last_dim(x.as_tensor()).unwrap();
+    let grads = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(grads.get(&x).is_none(), "candle's softmax_last_dim now has a gradient");
+
+    // kiln's op on the same input delivers all three, and a non-trivial one for the weight
+    let y = ops::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
+    let grads = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let gw = grads.get(&w).unwrap().to_vec1::<f32>().unwrap();
+    assert!(gw.iter().any(|v| v.abs() > 1e-3), "{gw:?}");
+    assert!(grads.get(&b).is_some() && grads.get(&x).is_some());
+}
