@@ -5,9 +5,14 @@ mod error;
 mod fsutil;
 mod rng;
 mod sample;
+mod shard;
 mod tokenizer;
 
 pub use error::{DataError, Result};
 pub use rng::{splitmix64, stream_key, stream_rng, Permutation, Purpose, SampleRng};
 pub use sample::{SampleId, SkipSet};
+pub use shard::{
+    write_shard, Shard, ShardHeader, ShardLayout, ShardWriter, TokenDtype, Verify, HEADER_BYTES,
+    SHARD_MAGIC, SHARD_VERSION,
+};
 pub use tokenizer::{sample_text, Tokenizer, EOT_TOKEN};
