@@ -1,43 +1,72 @@
-//! Checkpoints for kiln: save every component's state so a run resumes bitwise, on the same
-//! or on another number of ranks.
+//! Checkpoints for kiln: save every component's state so a run resumes bitwise after a
+//! crash, on the same or on another number of ranks.
 //!
 //! - [`TensorData`]: a plain typed tensor (dtype, shape, little-endian bytes), independent of
 //!   any tensor library; [`StateDict`]: one component's named tensors (each optionally a
 //!   [`Shard`] of a global tensor) and JSON metadata; [`Stateful`]: the trait components
-//!   implement; [`RankState`]: all the parts one rank saves.
+//!   implement (model, optimizer, scaler, schedule, data loader, [`RngState`], [`Step`]);
+//!   [`RankState`]: all the parts one rank saves.
+//! - [`Checkpointer`]: collective save (synchronous, or [`Checkpointer::save_async`] on a
+//!   background thread) of one safetensors file per rank plus a JSON [`Manifest`] with each
+//!   file's sha256, committed by an atomic directory rename; [`Checkpointer::load_latest`]
+//!   never returns an uncommitted or damaged checkpoint and reports what it skipped.
+//!   [`SavePolicy`] says when to save, [`Retention`] what to keep.
+//! - [`Storage`]: where checkpoints live ([`LocalFs`] with fsync of files and directories).
+//! - Errors are [`CkptError`]; malformed files and manifests are typed errors, never panics.
 //!
 //! ```
-//! use kiln_ckpt::{LoadOptions, RankState, StateDict, Stateful, Step};
+//! use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState, StateDict, Step};
+//! use std::sync::Arc;
+//!
+//! let dir = std::env::temp_dir().join(format!("kiln-ckpt-doc-{}", std::process::id()));
+//! let comm = kiln_comm::ThreadComm::group(1, Default::default()).unwrap().remove(0);
+//! let storage = Arc::new(LocalFs::new(&dir).unwrap());
+//! let mut ckpt = Checkpointer::new(storage, CheckpointConfig::new(Layout::single(), "tiny")).unwrap();
 //!
 //! let mut model = StateDict::new();
 //! model.put("w", &[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
-//! let mut saved = RankState::new();
-//! saved.insert("model", model).unwrap();
-//! saved.capture("step", &Step(7)).unwrap();
+//! let mut state = RankState::new();
+//! state.insert("model", model).unwrap();
+//! state.capture("step", &Step(10)).unwrap();
+//! ckpt.save(&comm, 10, &state).unwrap();
 //!
-//! let mut restored = StateDict::new();
+//! let latest = ckpt.load_latest(&comm).unwrap();
+//! let loaded = latest.loaded.unwrap();
+//! assert_eq!(loaded.step, 10);
+//! let (mut restored, mut step) = (StateDict::new(), Step(0));
 //! restored.put("w", &[2, 2], &[0.0f32; 4]).unwrap();
-//! let mut step = Step(0);
-//! saved
-//!     .restore_all(&mut [("model", &mut restored), ("step", &mut step)], LoadOptions::default())
-//!     .unwrap();
+//! loaded.state.restore_all(&mut [("model", &mut restored), ("step", &mut step)], LoadOptions::default()).unwrap();
 //! assert_eq!(restored.get::<f32>("w").unwrap(), [1.0, 2.0, 3.0, 4.0]);
-//! assert_eq!(step, Step(7));
+//! assert_eq!(step, Step(10));
+//! # std::fs::remove_dir_all(&dir).unwrap();
 //! ```
 #![deny(missing_docs)]
 
+mod checkpointer;
 mod error;
+mod gather;
 mod layout;
+mod load;
+mod manifest;
+mod policy;
 mod rankfile;
+mod save;
 mod shard;
 mod state;
+mod storage;
 mod tensor;
 
+pub use checkpointer::{CheckpointConfig, Checkpointer};
 pub use error::{CkptError, Result};
 pub use layout::Layout;
+pub use load::{Latest, Loaded, RankProblem, Skipped};
+pub use manifest::{rank_file_name, FileEntry, Manifest, TensorEntry, MANIFEST_FORMAT};
+pub use policy::{Retention, SavePolicy};
 pub use rankfile::{decode_rank_file, encode_rank_file, FORMAT_VERSION};
+pub use save::{step_dir, tmp_dir, SaveReport, LATEST_FILE, MANIFEST_FILE, MANIFEST_SHA_FILE};
 pub use shard::{FlatShard, Shard, ShardSpec};
 pub use state::{
     KeyReport, LoadOptions, RankState, RngState, StateDict, Stateful, Step, TensorSpec,
 };
+pub use storage::{LocalFs, Storage, StorageWriter};
 pub use tensor::{DType, Element, TensorData};
