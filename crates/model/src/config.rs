@@ -318,9 +318,18 @@ mod tests {
             let c = GptConfig::by_name(name).unwrap();
             c.validate().unwrap();
         }
-        assert_eq!(GptConfig::by_name("GPT3-175B").unwrap(), GptConfig::gpt3_175b());
-        assert_eq!(GptConfig::by_name("small-cpu").unwrap(), GptConfig::small_cpu());
-        assert_eq!(GptConfig::by_name("gpt3-2.7b").unwrap(), GptConfig::gpt3_2_7b());
+        assert_eq!(
+            GptConfig::by_name("GPT3-175B").unwrap(),
+            GptConfig::gpt3_175b()
+        );
+        assert_eq!(
+            GptConfig::by_name("small-cpu").unwrap(),
+            GptConfig::small_cpu()
+        );
+        assert_eq!(
+            GptConfig::by_name("gpt3-2.7b").unwrap(),
+            GptConfig::gpt3_2_7b()
+        );
         let err = GptConfig::by_name("gpt5").unwrap_err();
         assert!(matches!(err, ModelError::UnknownPreset { .. }));
         assert!(err.to_string().contains("gpt3_175b"), "{err}");
@@ -329,10 +338,19 @@ mod tests {
         c.n_heads = 3;
         let err = c.validate().unwrap_err();
         assert!(
-            matches!(err, ModelError::HeadsDoNotDivide { n_heads: 3, d_model: 128 }),
+            matches!(
+                err,
+                ModelError::HeadsDoNotDivide {
+                    n_heads: 3,
+                    d_model: 128
+                }
+            ),
             "{err}"
         );
-        assert_eq!(err.to_string(), "invalid config: n_heads (3) must divide d_model (128)");
+        assert_eq!(
+            err.to_string(),
+            "invalid config: n_heads (3) must divide d_model (128)"
+        );
         let mut c = GptConfig::tiny();
         c.n_layers = 0;
         assert!(matches!(
@@ -343,7 +361,10 @@ mod tests {
         c.layer_norm_eps = 0.0;
         assert!(matches!(
             c.validate(),
-            Err(ModelError::InvalidValue { field: "layer_norm_eps", .. })
+            Err(ModelError::InvalidValue {
+                field: "layer_norm_eps",
+                ..
+            })
         ));
     }
 
@@ -353,6 +374,9 @@ mod tests {
         let s = serde_json::to_string(&c).unwrap();
         assert_eq!(serde_json::from_str::<GptConfig>(&s).unwrap(), c);
         let minimal = r#"{"vocab_size":512,"n_ctx":64,"d_model":128,"n_layers":2,"n_heads":4}"#;
-        assert_eq!(serde_json::from_str::<GptConfig>(minimal).unwrap(), GptConfig::tiny());
+        assert_eq!(
+            serde_json::from_str::<GptConfig>(minimal).unwrap(),
+            GptConfig::tiny()
+        );
     }
 }

@@ -76,7 +76,9 @@ pub enum ModelError {
         max: usize,
     },
     /// A token id or a target is not below the vocabulary size.
-    #[error("{op}: {what} {value} at position {index} is out of range for a vocabulary of {vocab}")]
+    #[error(
+        "{op}: {what} {value} at position {index} is out of range for a vocabulary of {vocab}"
+    )]
     TokenOutOfRange {
         /// The operation.
         op: &'static str,

@@ -88,7 +88,13 @@ fn argmax(v: &[f64]) -> u32 {
 /// Samples among the `k` largest logits (ties broken by lower id) with `u` uniform in [0, 1).
 fn sample_top_k(logits: &[f64], k: usize, temperature: f64, u: f64) -> u32 {
     let mut idx: Vec<usize> = (0..logits.len()).collect();
-    let key = |i: usize| if logits[i].is_nan() { f64::NEG_INFINITY } else { logits[i] };
+    let key = |i: usize| {
+        if logits[i].is_nan() {
+            f64::NEG_INFINITY
+        } else {
+            logits[i]
+        }
+    };
     idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
     idx.truncate(k.min(logits.len()));
     let max = key(idx[0]);
@@ -126,7 +132,11 @@ mod tests {
         assert_eq!(counts[0] + counts[3], 0);
         for (id, wi) in [(1usize, w[0]), (4, w[1]), (2, w[2])] {
             let p = counts[id] as f64 / n as f64;
-            assert!((p - wi / total).abs() < 1e-3, "id {id}: {p} vs {}", wi / total);
+            assert!(
+                (p - wi / total).abs() < 1e-3,
+                "id {id}: {p} vs {}",
+                wi / total
+            );
         }
         assert_eq!(argmax(&logits), 1);
         assert_eq!(sample_top_k(&logits, 1, 1.0, 0.999), 1);

@@ -156,16 +156,32 @@ mod tests {
     #[test]
     fn streams_depend_on_seed_and_name_only() {
         let init = Initializer::new(7, &Device::Cpu, DType::F32).unwrap();
-        let a = init.values("h.0.attn.c_attn.weight", &[6, 2], Init::XavierUniform { gain: 1.0 });
+        let a = init.values(
+            "h.0.attn.c_attn.weight",
+            &[6, 2],
+            Init::XavierUniform { gain: 1.0 },
+        );
         let _ = init.values("other", &[100], Init::Normal { std: 1.0 });
-        let b = init.values("h.0.attn.c_attn.weight", &[6, 2], Init::XavierUniform { gain: 1.0 });
+        let b = init.values(
+            "h.0.attn.c_attn.weight",
+            &[6, 2],
+            Init::XavierUniform { gain: 1.0 },
+        );
         assert_eq!(a, b);
-        let c = init.values("h.1.attn.c_attn.weight", &[6, 2], Init::XavierUniform { gain: 1.0 });
+        let c = init.values(
+            "h.1.attn.c_attn.weight",
+            &[6, 2],
+            Init::XavierUniform { gain: 1.0 },
+        );
         assert_ne!(a, c);
         let other_seed = Initializer::new(8, &Device::Cpu, DType::F32).unwrap();
         assert_ne!(
             a,
-            other_seed.values("h.0.attn.c_attn.weight", &[6, 2], Init::XavierUniform { gain: 1.0 })
+            other_seed.values(
+                "h.0.attn.c_attn.weight",
+                &[6, 2],
+                Init::XavierUniform { gain: 1.0 }
+            )
         );
     }
 

@@ -146,7 +146,11 @@ pub(crate) fn is_float(dtype: DType) -> bool {
 }
 
 /// The contiguous elements a layout covers.
-pub(crate) fn contiguous<'a, T>(data: &'a [T], layout: &Layout, op: &'static str) -> candle_core::Result<&'a [T]> {
+pub(crate) fn contiguous<'a, T>(
+    data: &'a [T],
+    layout: &Layout,
+    op: &'static str,
+) -> candle_core::Result<&'a [T]> {
     match layout.contiguous_offsets() {
         Some((start, end)) if end <= data.len() => Ok(&data[start..end]),
         _ => Err(candle_core::Error::msg(format!(
@@ -164,7 +168,10 @@ macro_rules! with_float_storage {
             candle_core::CpuStorage::F64($v) => $body,
             candle_core::CpuStorage::F16($v) => $body,
             candle_core::CpuStorage::BF16($v) => $body,
-            other => Err(candle_core::Error::UnsupportedDTypeForOp(candle_core::backend::BackendStorage::dtype(other), $op)),
+            other => Err(candle_core::Error::UnsupportedDTypeForOp(
+                candle_core::backend::BackendStorage::dtype(other),
+                $op,
+            )),
         }
     };
 }
@@ -181,11 +188,18 @@ pub(crate) fn same_type<'a, T: Elem>(
         CpuStorage::F64(v) => v,
         CpuStorage::F16(v) => v,
         CpuStorage::BF16(v) => v,
-        other => return Err(candle_core::Error::UnsupportedDTypeForOp(candle_core::backend::BackendStorage::dtype(other), op)),
+        other => {
+            return Err(candle_core::Error::UnsupportedDTypeForOp(
+                candle_core::backend::BackendStorage::dtype(other),
+                op,
+            ))
+        }
     };
     any.downcast_ref::<Vec<T>>()
         .map(|v| v.as_slice())
-        .ok_or_else(|| candle_core::Error::msg(format!("{op}: all float inputs must share one dtype")))
+        .ok_or_else(|| {
+            candle_core::Error::msg(format!("{op}: all float inputs must share one dtype"))
+        })
 }
 
 /// Work (in element-operations) below which a kernel runs on the calling thread.

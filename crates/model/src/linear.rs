@@ -108,7 +108,11 @@ impl DenseLinear {
             spec.weight_init,
         )?;
         let bias = if spec.bias {
-            Some(init.var(&format!("{}.bias", spec.name), &[spec.out_features], Init::Zeros)?)
+            Some(init.var(
+                &format!("{}.bias", spec.name),
+                &[spec.out_features],
+                Init::Zeros,
+            )?)
         } else {
             None
         };
@@ -167,7 +171,11 @@ pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Res
 
 impl LinearLayer for DenseLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        linear_forward(x, self.weight.as_tensor(), self.bias.as_ref().map(|b| b.as_tensor()))
+        linear_forward(
+            x,
+            self.weight.as_tensor(),
+            self.bias.as_ref().map(|b| b.as_tensor()),
+        )
     }
 
     fn parameters(&self) -> Vec<(String, Var)> {

@@ -137,7 +137,10 @@ impl Block {
         };
         Ok(Self {
             ln_1: Norm::new(init, &format!("h.{i}.ln_1"), d, eps)?,
-            c_attn: factory.linear(init, &spec("attn.c_attn", d, 3 * d, LinearKind::AttnQkv, 1.0))?,
+            c_attn: factory.linear(
+                init,
+                &spec("attn.c_attn", d, 3 * d, LinearKind::AttnQkv, 1.0),
+            )?,
             attn_proj: factory.linear(
                 init,
                 &spec("attn.c_proj", d, d, LinearKind::AttnOut, residual_gain),
@@ -358,7 +361,12 @@ impl Gpt {
             .sum()
     }
 
-    fn check_tokens(&self, op: &'static str, what: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+    fn check_tokens(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        t: &Tensor,
+    ) -> Result<(usize, usize)> {
         let (b, n) = match t.dims() {
             &[b, n] if b > 0 && n > 0 => (b, n),
             dims => {
@@ -409,7 +417,11 @@ impl Gpt {
             });
         }
         let d = self.cfg.d_model;
-        let tok = self.wte.as_tensor().index_select(&ids, 0)?.reshape((b, t, d))?;
+        let tok = self
+            .wte
+            .as_tensor()
+            .index_select(&ids, 0)?
+            .reshape((b, t, d))?;
         let pos = self.wpe.as_tensor().narrow(0, 0, t)?;
         Ok(tok.broadcast_add(&pos)?.to_dtype(self.opts.compute_dtype)?)
     }

@@ -49,7 +49,11 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 
 /// Mean cross-entropy of `logits` `[n, vocab]` against u32 `targets` `[n]`, skipping
 /// `ignore_index`; the loss keeps the logits' dtype.
-pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: Option<u32>) -> Result<Tensor> {
+pub fn cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+) -> Result<Tensor> {
     let t = targets.to_vec1::<u32>()?;
     let keep: Vec<f32> = t
         .iter()

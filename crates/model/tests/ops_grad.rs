@@ -58,10 +58,20 @@ fn run(f: &OpFn, inputs: &[Input], dtype: DType, r_key: &str) -> (Vec<f64>, Vec<
     let tensors: Vec<Tensor> = vars
         .iter()
         .zip(inputs)
-        .map(|(v, i)| if i.grad { v.as_tensor().clone() } else { v.as_detached_tensor() })
+        .map(|(v, i)| {
+            if i.grad {
+                v.as_tensor().clone()
+            } else {
+                v.as_detached_tensor()
+            }
+        })
         .collect();
     let out = f(&tensors).unwrap();
-    let acc = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+    let acc = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
     let out_acc = out.to_dtype(acc).unwrap();
     let r = Tensor::from_vec(values(r_key, out.elem_count(), 1.0, 0.0), out.shape(), &dev)
         .unwrap()
@@ -79,7 +89,12 @@ fn run(f: &OpFn, inputs: &[Input], dtype: DType, r_key: &str) -> (Vec<f64>, Vec<
 }
 
 fn flat(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 /// `sum(f(inputs) * r)` in f64 without autograd.
@@ -117,7 +132,11 @@ fn check_finite_differences(f: &OpFn, inputs: &mut [Input]) {
 }
 
 fn check_against_composite(fused: &OpFn, composite: &OpFn, inputs: &[Input], dtype: DType) {
-    let (atol, rtol) = if dtype == DType::F64 { (1e-11, 1e-9) } else { (2e-5, 1e-4) };
+    let (atol, rtol) = if dtype == DType::F64 {
+        (1e-11, 1e-9)
+    } else {
+        (2e-5, 1e-4)
+    };
     let (yf, gf) = run(fused, inputs, dtype, "r");
     let (yc, gc) = run(composite, inputs, dtype, "r");
     assert_close(&yf, &yc, atol, rtol);
@@ -185,9 +204,17 @@ fn sm_composite(x: &[Tensor]) -> anyhow::Result<Tensor> {
 
 #[test]
 fn causal_softmax_gradients() {
-    check_all(&sm_fused, &sm_composite, vec![input("sm.x", &[2, 2, 5, 5], 3.0, 0.0, true)]);
+    check_all(
+        &sm_fused,
+        &sm_composite,
+        vec![input("sm.x", &[2, 2, 5, 5], 3.0, 0.0, true)],
+    );
     // rectangular scores: 3 queries over 6 keys, the first query sees 4
-    check_all(&sm_fused, &sm_composite, vec![input("sm.r", &[1, 3, 6], 3.0, 0.0, true)]);
+    check_all(
+        &sm_fused,
+        &sm_composite,
+        vec![input("sm.r", &[1, 3, 6], 3.0, 0.0, true)],
+    );
 }
 
 #[test]
@@ -202,7 +229,12 @@ fn causal_softmax_masks_exactly() {
         .unwrap()
         .to_dtype(DType::F32)
         .unwrap();
-    let g = (y.clone() * r).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = (y.clone() * r)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let y = y.to_vec3::<f32>().unwrap();
     let g = g.get(&xv).unwrap().to_vec3::<f32>().unwrap();
     for b in 0..2 {
@@ -215,7 +247,9 @@ fn causal_softmax_masks_exactly() {
             }
         }
     }
-    assert!(ops::causal_softmax(&Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap()).is_err());
+    assert!(
+        ops::causal_softmax(&Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap()).is_err()
+    );
 }
 
 #[test]
@@ -233,7 +267,11 @@ fn gelu_composite(x: &[Tensor]) -> anyhow::Result<Tensor> {
 
 #[test]
 fn gelu_gradients() {
-    check_all(&gelu_fused, &gelu_composite, vec![input("gelu.x", &[3, 7], 4.0, 0.0, true)]);
+    check_all(
+        &gelu_fused,
+        &gelu_composite,
+        vec![input("gelu.x", &[3, 7], 4.0, 0.0, true)],
+    );
 }
 
 #[test]
@@ -247,7 +285,13 @@ fn gelu_multithreaded_matches_composite() {
 /// at every third row.
 fn targets(n: usize, v: usize) -> Tensor {
     let t: Vec<u32> = (0..n)
-        .map(|i| if i % 3 == 2 { 99 } else { ((i * 7 + 3) % v) as u32 })
+        .map(|i| {
+            if i % 3 == 2 {
+                99
+            } else {
+                ((i * 7 + 3) % v) as u32
+            }
+        })
         .collect();
     Tensor::new(t, &Device::Cpu).unwrap()
 }
@@ -262,7 +306,11 @@ fn cross_entropy_gradients() {
         let n = x[0].dim(0)?;
         Ok(reference::cross_entropy(&x[0], &targets(n, 7), Some(99))?)
     };
-    check_all(&fused, &composite, vec![input("ce.x", &[5, 7], 4.0, 0.0, true)]);
+    check_all(
+        &fused,
+        &composite,
+        vec![input("ce.x", &[5, 7], 4.0, 0.0, true)],
+    );
 }
 
 #[test]
@@ -271,7 +319,11 @@ fn cross_entropy_multithreaded_matches_composite() {
         Ok(ops::cross_entropy(&x[0], &targets(512, 2000), Some(99))?)
     };
     let composite = |x: &[Tensor]| -> anyhow::Result<Tensor> {
-        Ok(reference::cross_entropy(&x[0], &targets(512, 2000), Some(99))?)
+        Ok(reference::cross_entropy(
+            &x[0],
+            &targets(512, 2000),
+            Some(99),
+        )?)
     };
     let inputs = vec![input("ce.big", &[512, 2000], 6.0, 0.0, true)];
     check_against_composite(&fused, &composite, &inputs, DType::F32);
@@ -285,7 +337,13 @@ fn cross_entropy_closed_form_and_errors() {
     let t = Tensor::new(&[1u32, 0, 9, 4], &dev).unwrap();
     let loss = ops::cross_entropy(logits.as_tensor(), &t, Some(9)).unwrap();
     assert!((loss.to_scalar::<f32>().unwrap() - 5f32.ln()).abs() < 1e-6);
-    let g = loss.backward().unwrap().get(&logits).unwrap().to_vec2::<f32>().unwrap();
+    let g = loss
+        .backward()
+        .unwrap()
+        .get(&logits)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
     assert_eq!(g[2], vec![0.0; 5]);
     assert!((g[0][1] - (0.2 - 1.0) / 3.0).abs() < 1e-7 && (g[0][0] - 0.2 / 3.0).abs() < 1e-7);
     // all ignored: zero loss, zero gradient
@@ -308,7 +366,10 @@ fn layer_norm_rejects_mismatched_arguments() {
     let w4 = Tensor::ones(4, DType::F32, &dev).unwrap();
     let w4h = Tensor::ones(4, DType::F16, &dev).unwrap();
     let err = ops::layer_norm(&x, &w3, &w4, 1e-5).unwrap_err();
-    assert_eq!(err.to_string(), "layer_norm: weight has shape [3], expected [4]");
+    assert_eq!(
+        err.to_string(),
+        "layer_norm: weight has shape [3], expected [4]"
+    );
     assert!(ops::layer_norm(&x, &w4, &w4h, 1e-5).is_err());
 }
 
@@ -334,13 +395,25 @@ fn candle_fused_layer_norm_and_softmax_drop_gradients() {
 
     let y = candle_nn::ops::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();
     let grads = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
-    assert!(grads.get(&w).is_none(), "candle's layer_norm now has a weight gradient");
-    assert!(grads.get(&b).is_none(), "candle's layer_norm now has a bias gradient");
-    assert!(grads.get(&x).is_none(), "candle's layer_norm now has an input gradient");
+    assert!(
+        grads.get(&w).is_none(),
+        "candle's layer_norm now has a weight gradient"
+    );
+    assert!(
+        grads.get(&b).is_none(),
+        "candle's layer_norm now has a bias gradient"
+    );
+    assert!(
+        grads.get(&x).is_none(),
+        "candle's layer_norm now has an input gradient"
+    );
 
     let y = candle_nn::ops::softmax_last_dim(x.as_tensor()).unwrap();
     let grads = (y * &r).unwrap().sum_all().unwrap().backward().unwrap();
-    assert!(grads.get(&x).is_none(), "candle's softmax_last_dim now has a gradient");
+    assert!(
+        grads.get(&x).is_none(),
+        "candle's softmax_last_dim now has a gradient"
+    );
 
     // kiln's op on the same input delivers all three, and a non-trivial one for the weight
     let y = ops::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5).unwrap();

@@ -1,8 +1,8 @@
 //! Cross-entropy with logits: fused log-softmax and negative log-likelihood, and its backward.
 
 use crate::error::{ModelError, Result};
-use crate::kernel::{contiguous, is_float, output_vec, par_rows, with_float_storage, Elem, Float};
 use crate::kernel::FLOAT_DTYPES;
+use crate::kernel::{contiguous, is_float, output_vec, par_rows, with_float_storage, Elem, Float};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
 
 /// Mean cross-entropy of `logits` `[n, vocab]` against `targets` `[n]` (u32), averaged over
@@ -88,10 +88,17 @@ struct CrossEntropy {
     ignore_index: Option<u32>,
 }
 
-fn u32_targets<'a>(s: &'a CpuStorage, l: &Layout, op: &'static str) -> candle_core::Result<&'a [u32]> {
+fn u32_targets<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    op: &'static str,
+) -> candle_core::Result<&'a [u32]> {
     match s {
         CpuStorage::U32(t) => contiguous(t, l, op),
-        other => Err(candle_core::Error::UnsupportedDTypeForOp(candle_core::backend::BackendStorage::dtype(other), op)),
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(
+            candle_core::backend::BackendStorage::dtype(other),
+            op,
+        )),
     }
 }
 
@@ -169,9 +176,16 @@ impl CustomOp2 for CrossEntropy {
         let t = u32_targets(s2, l2, op)?;
         let v = l1.dims().last().copied().unwrap_or(0);
         if v == 0 || l1.shape().elem_count() != t.len() * v {
-            return Err(candle_core::Error::msg(format!("{op}: logits and targets disagree")));
+            return Err(candle_core::Error::msg(format!(
+                "{op}: logits and targets disagree"
+            )));
         }
-        let loss = with_float_storage!(s1, op, |xs| ce_fwd(contiguous(xs, l1, op)?, t, v, self.ignore_index))?;
+        let loss = with_float_storage!(s1, op, |xs| ce_fwd(
+            contiguous(xs, l1, op)?,
+            t,
+            v,
+            self.ignore_index
+        ))?;
         let out = match s1 {
             CpuStorage::F64(_) => CpuStorage::F64(vec![loss]),
             _ => CpuStorage::F32(vec![loss as f32]),
@@ -252,7 +266,9 @@ impl CustomOp2 for CrossEntropyBwd {
         let t = u32_targets(s2, l2, op)?;
         let v = l1.dims().last().copied().unwrap_or(0);
         if v == 0 || l1.shape().elem_count() != t.len() * v {
-            return Err(candle_core::Error::msg(format!("{op}: logits and targets disagree")));
+            return Err(candle_core::Error::msg(format!(
+                "{op}: logits and targets disagree"
+            )));
         }
         with_float_storage!(s1, op, |xs| {
             let dx = ce_bwd(contiguous(xs, l1, op)?, t, v, self.ignore_index, self.grad)?;

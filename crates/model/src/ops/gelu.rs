@@ -114,7 +114,9 @@ impl CustomOp2 for GeluBwd {
             let x = contiguous(xs, l1, op)?;
             let dy = contiguous(same_type(x, s2, op)?, l2, op)?;
             if dy.len() != x.len() {
-                return Err(candle_core::Error::msg(format!("{op}: dy and x differ in size")));
+                return Err(candle_core::Error::msg(format!(
+                    "{op}: dy and x differ in size"
+                )));
             }
             let dx = map(x, |i, v| Elem::store(dy[i].load() * gelu_grad(v.load())))?;
             Ok((Elem::into_storage(dx), l1.shape().clone()))

@@ -168,7 +168,9 @@ impl CustomOp2 for CausalSoftmaxBwd {
             let y = contiguous(ys, l1, op)?;
             let dy = contiguous(same_type(y, s2, op)?, l2, op)?;
             if dy.len() != y.len() {
-                return Err(candle_core::Error::msg(format!("{op}: dy and y differ in size")));
+                return Err(candle_core::Error::msg(format!(
+                    "{op}: dy and y differ in size"
+                )));
             }
             let dx = softmax_bwd(y, dy, tq, tk, self.scale)?;
             Ok((Elem::into_storage(dx), l1.shape().clone()))
