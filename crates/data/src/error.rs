@@ -123,13 +123,17 @@ pub enum DataError {
         /// Tokens one sample needs (ctx + 1).
         needed: u64,
     },
-    /// Every sample of a source is in the skip set.
-    #[error("source {source_index} has no sample left to draw: all {samples} are skipped")]
+    /// A source that cannot fill a batch: too few samples, or too many skipped.
+    #[error("source {source_index} cannot fill a batch of {needed} samples: {available} of its {samples} samples are not skipped")]
     Exhausted {
         /// The source index.
         source_index: usize,
         /// Its sample count.
         samples: u64,
+        /// Samples not in the skip set.
+        available: u64,
+        /// Samples one (global) batch needs.
+        needed: u64,
     },
     /// An index past the end of a sequence.
     #[error("{what} index {index} out of range (len {len})")]

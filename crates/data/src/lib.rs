@@ -1,18 +1,26 @@
 //! kiln-data
 #![deny(missing_docs)]
 
+mod cache;
 mod error;
 mod fsutil;
 mod rng;
 mod sample;
+mod sampler;
 mod shard;
+mod source;
 mod tokenizer;
 
+pub use cache::{ChunkCache, ChunkCacheStats};
 pub use error::{DataError, Result};
 pub use rng::{splitmix64, stream_key, stream_rng, Permutation, Purpose, SampleRng};
 pub use sample::{SampleId, SkipSet};
+pub use sampler::{
+    Cursor, DistributedSampler, GlobalBatch, PlannedSample, SamplerConfig, TailPolicy,
+};
 pub use shard::{
     write_shard, Shard, ShardHeader, ShardLayout, ShardWriter, TokenDtype, Verify, HEADER_BYTES,
     SHARD_MAGIC, SHARD_VERSION,
 };
+pub use source::TokenSource;
 pub use tokenizer::{sample_text, Tokenizer, EOT_TOKEN};
