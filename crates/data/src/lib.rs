@@ -4,6 +4,7 @@
 mod cache;
 mod error;
 mod fsutil;
+mod mixture;
 mod rng;
 mod sample;
 mod sampler;
@@ -13,6 +14,7 @@ mod tokenizer;
 
 pub use cache::{ChunkCache, ChunkCacheStats};
 pub use error::{DataError, Result};
+pub use mixture::{Mixture, WeightChange};
 pub use rng::{splitmix64, stream_key, stream_rng, Permutation, Purpose, SampleRng};
 pub use sample::{SampleId, SkipSet};
 pub use sampler::{
