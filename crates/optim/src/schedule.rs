@@ -1,0 +1,218 @@
+//! Learning-rate schedules: pure functions of the step, so a resumed run gets exactly the
+//! learning rates of an uninterrupted one.
+
+use crate::error::{OptimError, Result};
+use serde::{Deserialize, Serialize};
+use std::f64::consts::PI;
+
+/// A learning rate as a pure function of the optimizer step (the number of steps taken so far:
+/// the step about to be taken uses `lr(optimizer.step_count())`). Skipped steps do not advance
+/// the optimizer's count, so they do not advance the schedule.
+pub trait LrSchedule: Send + Sync + std::fmt::Debug {
+    /// The learning rate for step `step` (0-based).
+    fn lr(&self, step: u64) -> f32;
+}
+
+/// Linear warmup, as `torch.optim.lr_scheduler.LinearLR(start_factor, end_factor=1,
+/// total_iters=steps)`: the factor on the peak learning rate at step `s < steps` is
+/// `start_factor + (1 - start_factor) * s / steps`, and 1 from `steps` on. With
+/// `start_factor = 0` step 0 has learning rate 0.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Warmup {
+    /// Steps of warmup (0: none).
+    pub steps: u64,
+    /// The factor at step 0, in [0, 1].
+    pub start_factor: f64,
+}
+
+impl Warmup {
+    /// No warmup.
+    pub const NONE: Warmup = Warmup {
+        steps: 0,
+        start_factor: 1.0,
+    };
+
+    /// Warmup over `steps` steps from 0.
+    pub fn linear(steps: u64) -> Self {
+        Warmup {
+            steps,
+            start_factor: 0.0,
+        }
+    }
+
+    /// The factor at `step`, in [start_factor, 1].
+    pub fn factor(&self, step: u64) -> f64 {
+        if step >= self.steps {
+            1.0
+        } else {
+            self.start_factor + (1.0 - self.start_factor) * step as f64 / self.steps as f64
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !(0.0..=1.0).contains(&self.start_factor) {
+            return Err(OptimError::InvalidHyperparameter {
+                name: "warmup start_factor",
+                value: self.start_factor,
+                reason: "must be in [0, 1]",
+            });
+        }
+        Ok(())
+    }
+}
+
+fn check_lr(name: &'static str, lr: f64) -> Result<()> {
+    if lr.is_finite() && lr >= 0.0 {
+        Ok(())
+    } else {
+        Err(OptimError::InvalidHyperparameter {
+            name,
+            value: lr,
+            reason: "must be finite and at least 0",
+        })
+    }
+}
+
+/// A constant learning rate, optionally after a warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Constant {
+    lr: f64,
+    warmup: Warmup,
+}
+
+impl Constant {
+    /// `lr` at every step.
+    pub fn new(lr: f32) -> Result<Self> {
+        Self::with_warmup(lr, Warmup::NONE)
+    }
+
+    /// `lr` after `warmup`.
+    pub fn with_warmup(lr: f32, warmup: Warmup) -> Result<Self> {
+        check_lr("lr", lr as f64)?;
+        warmup.validate()?;
+        Ok(Constant {
+            lr: lr as f64,
+            warmup,
+        })
+    }
+}
+
+impl LrSchedule for Constant {
+    fn lr(&self, step: u64) -> f32 {
+        (self.lr * self.warmup.factor(step)) as f32
+    }
+}
+
+/// The shape of the decay phase of a [`WarmupDecay`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Decay {
+    /// Half a cosine from the peak down to the floor (GPT-3, Megatron, nanoGPT).
+    Cosine,
+    /// A straight line from the peak down to the floor.
+    Linear,
+}
+
+/// Warmup to a peak learning rate, then a decay to a floor at `total_steps`, constant at the
+/// floor after that. With `w` warmup steps, `T` total steps and progress
+/// `x = (s - w) / (T - w)` for `w <= s < T`:
+///
+/// - cosine: `floor + (peak - floor) * (1 + cos(pi * x)) / 2`;
+/// - linear: `peak + (floor - peak) * x`.
+///
+/// Computed in f64, rounded once to f32.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct WarmupDecay {
+    peak: f64,
+    floor: f64,
+    warmup: Warmup,
+    total_steps: u64,
+    decay: Decay,
+}
+
+impl WarmupDecay {
+    /// Validates `0 <= floor <= peak`, `warmup.steps <= total_steps`, a start factor in [0, 1].
+    pub fn new(
+        decay: Decay,
+        peak: f32,
+        floor: f32,
+        warmup: Warmup,
+        total_steps: u64,
+    ) -> Result<Self> {
+        check_lr("peak lr", peak as f64)?;
+        check_lr("floor lr", floor as f64)?;
+        if floor > peak {
+            return Err(OptimError::InvalidHyperparameter {
+                name: "floor lr",
+                value: floor as f64,
+                reason: "must not exceed the peak lr",
+            });
+        }
+        if warmup.steps > total_steps {
+            return Err(OptimError::InvalidHyperparameter {
+                name: "warmup steps",
+                value: warmup.steps as f64,
+                reason: "must not exceed total_steps",
+            });
+        }
+        warmup.validate()?;
+        Ok(WarmupDecay {
+            peak: peak as f64,
+            floor: floor as f64,
+            warmup,
+            total_steps,
+            decay,
+        })
+    }
+
+    /// Linear warmup from 0 over `warmup_steps`, then cosine decay to `floor` at `total_steps`.
+    pub fn cosine(peak: f32, floor: f32, warmup_steps: u64, total_steps: u64) -> Result<Self> {
+        Self::new(
+            Decay::Cosine,
+            peak,
+            floor,
+            Warmup::linear(warmup_steps),
+            total_steps,
+        )
+    }
+
+    /// Linear warmup from 0 over `warmup_steps`, then linear decay to `floor` at `total_steps`.
+    pub fn linear(peak: f32, floor: f32, warmup_steps: u64, total_steps: u64) -> Result<Self> {
+        Self::new(
+            Decay::Linear,
+            peak,
+            floor,
+            Warmup::linear(warmup_steps),
+            total_steps,
+        )
+    }
+
+    /// The step at which the floor is reached.
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+}
+
+impl LrSchedule for WarmupDecay {
+    fn lr(&self, step: u64) -> f32 {
+        let w = self.warmup.steps;
+        let lr = if step < w {
+            self.peak * self.warmup.factor(step)
+        } else if step >= self.total_steps {
+            self.floor
+        } else {
+            let x = (step - w) as f64 / (self.total_steps - w) as f64;
+            match self.decay {
+                Decay::Cosine => self.floor + (self.peak - self.floor) * 0.5 * (1.0 + (PI * x).cos()),
+                Decay::Linear => self.peak + (self.floor - self.peak) * x,
+            }
+        };
+        lr as f32
+    }
+}
+
+impl<S: LrSchedule + ?Sized> LrSchedule for Box<S> {
+    fn lr(&self, step: u64) -> f32 {
+        (**self).lr(step)
+    }
+}
