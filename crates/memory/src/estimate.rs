@@ -5,8 +5,9 @@
 //! optimizer state (fp32 master weights, momentum, variance). Over a data-parallel group of N:
 //! plain data parallel holds (2 + 2 + K)Ψ, ZeRO-1 (optimizer states) 2Ψ + 2Ψ + KΨ/N, ZeRO-2
 //! (+ gradients) 2Ψ + (2 + K)Ψ/N, ZeRO-3 (+ parameters) (2 + 2 + K)Ψ/N. With fp32 compute the
-//! weights and gradients take 4 bytes and the optimizer state 8 (momentum, variance; the weights
-//! are the master copy).
+//! weights and gradients take 4 bytes and kiln still keeps K = 12 (its optimizer steps a flat
+//! fp32 master copy, separate from the model's variables, plus the two moments), except under
+//! ZeRO-3, where the fp32 master shard is the weight shard: (4 + 12)Ψ/N.
 //!
 //! Activations are counted for kiln's GPT block (pre-LayerNorm, fused QKV, causal softmax that
 //! saves its output, tanh-GELU MLP, no dropout): per layer it keeps the LayerNorm inputs and
@@ -58,7 +59,8 @@ impl ModelShape {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MemPrecision {
-    /// fp32 weights, gradients and activations; Adam keeps momentum and variance (8 bytes).
+    /// fp32 weights, gradients and activations; the optimizer keeps an fp32 master copy,
+    /// momentum and variance (K = 12).
     F32,
     /// 16-bit (fp16 or bf16) weights, gradients and activations, fp32 master weights, momentum and
     /// variance (K = 12).
@@ -76,8 +78,7 @@ impl MemPrecision {
     /// Optimizer-state bytes per parameter (K in the ZeRO paper).
     pub fn optimizer_bytes(self) -> u64 {
         match self {
-            MemPrecision::F32 => 8,
-            MemPrecision::Mixed16 => 12,
+            MemPrecision::F32 | MemPrecision::Mixed16 => 12,
         }
     }
 }
@@ -178,20 +179,51 @@ impl MemoryPlan {
         Ok(())
     }
 
+    /// Model-state bytes (weights, gradients, optimizer states) per rank for `psi` parameters
+    /// on this rank's tensor-parallel shard, over a data-parallel group of `dp`.
+    pub fn model_state_split(
+        psi: u64,
+        precision: MemPrecision,
+        stage: ShardingStage,
+        dp: u64,
+    ) -> (u64, u64, u64) {
+        let n = dp.max(1);
+        let c = precision.compute_bytes();
+        let k = precision.optimizer_bytes();
+        let shard = |bytes: u64| bytes.div_ceil(n);
+        match stage {
+            ShardingStage::Replicated => (c * psi, c * psi, k * psi),
+            ShardingStage::Zero1 => (c * psi, c * psi, shard(k * psi)),
+            ShardingStage::Zero2 => (c * psi, shard(c * psi), shard(k * psi)),
+            ShardingStage::Zero3 => {
+                let weights = match precision {
+                    MemPrecision::Mixed16 => shard(c * psi),
+                    // the fp32 master shard is the weight shard
+                    MemPrecision::F32 => 0,
+                };
+                (weights, shard(c * psi), shard(k * psi))
+            }
+        }
+    }
+
+    /// The sum of [`MemoryPlan::model_state_split`].
+    pub fn model_state_bytes_for(
+        psi: u64,
+        precision: MemPrecision,
+        stage: ShardingStage,
+        dp: u64,
+    ) -> u64 {
+        let (w, g, o) = Self::model_state_split(psi, precision, stage, dp);
+        w + g + o
+    }
+
     /// The estimate. Model states follow the ZeRO formulas exactly (see the module docs).
     pub fn estimate(&self) -> Result<MemoryEstimate> {
         self.validate()?;
         let psi = self.shape.params_per_tp_rank(self.tp);
-        let n = self.dp;
         let c = self.precision.compute_bytes();
-        let k = self.precision.optimizer_bytes();
-        let shard = |bytes: u64| bytes.div_ceil(n);
-        let (weights, grads, optimizer) = match self.stage {
-            ShardingStage::Replicated => (c * psi, c * psi, k * psi),
-            ShardingStage::Zero1 => (c * psi, c * psi, shard(k * psi)),
-            ShardingStage::Zero2 => (c * psi, shard(c * psi), shard(k * psi)),
-            ShardingStage::Zero3 => (shard(c * psi), shard(c * psi), shard(k * psi)),
-        };
+        let (weights, grads, optimizer) =
+            Self::model_state_split(psi, self.precision, self.stage, self.dp);
         let comm_buffers = match self.stage {
             // one bucket being reduced while the next fills
             ShardingStage::Replicated | ShardingStage::Zero1 => 2 * self.bucket_bytes,

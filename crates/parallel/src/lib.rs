@@ -3,6 +3,12 @@
 //!
 //! - [`ParallelDims`] validates the dp x tp grid against the world and the model and builds the
 //!   data-parallel and tensor-parallel groups.
+//! - [`FlatLayout`]: the trainable variables in flat f32 units (buckets) in backward order, with
+//!   gradient copy-out straight from candle's storage and in-place parameter write-back.
+//! - [`DataParallel`]: plain data parallel ([`Stage::Replicated`], bucketed all-reduce overlapped
+//!   with the backward on a communication thread, gradient accumulation with `no_sync`) and ZeRO
+//!   stages 1, 2 and 3, all driving kiln-memory's segmented executor; loss scaling with a
+//!   world-wide found-inf flag and global-norm clipping.
 //! - [`tp`]: tensor-parallel building blocks (the f/g conjugate operators, column- and
 //!   row-parallel linear layers, a vocab-parallel embedding and cross-entropy).
 //!
@@ -18,7 +24,11 @@
 
 mod dims;
 mod error;
+mod flat;
+mod sharded;
 pub mod tp;
 
 pub use dims::{Groups, ParallelDims};
 pub use error::{ParallelError, Result};
+pub use flat::{tensor_into_slice, write_var, FlatLayout, ParamSlot, Unit, DEFAULT_BUCKET_BYTES};
+pub use sharded::{DataParallel, DataParallelConfig, Stage, StepReport};

@@ -1,0 +1,903 @@
+//! Data parallel and ZeRO stages 1 to 3 over the segmented executor.
+//!
+//! One engine, four stages, all on the same [`FlatLayout`] units:
+//! - [`Stage::Replicated`] (PyTorch DDP): every rank keeps full gradients, all-reduces them (mean)
+//!   unit by unit as soon as a unit's segment has finished its backward, on a communication
+//!   thread that overlaps the backward of the segments below, and steps the full optimizer.
+//! - [`Stage::Zero1`]: the fp32 master weights and the AdamW moments are sharded: each rank steps
+//!   only its chunk of every unit (per [`kiln_comm::chunk_range`]) and the updated weights are
+//!   all-gathered.
+//! - [`Stage::Zero2`]: gradients are reduce-scattered instead, so each rank keeps only its chunk
+//!   (full unit buffers are transient, taken from a pool and returned after the collective).
+//! - [`Stage::Zero3`]: parameters are sharded too: the model holds no persistent weights; each
+//!   segment's units are all-gathered just before the segment runs (forward, and again for the
+//!   recompute of a checkpointed segment) and dropped after, through the executor's
+//!   [`ParamProvider`].
+//!
+//! Every stage reduces each element in the same rank order and the optimizer is element-wise, so
+//! without gradient accumulation all four produce bitwise the same parameters. With accumulation,
+//! stages 0 and 1 sum micro-batches locally and communicate once (`no_sync`), while stages 2 and 3
+//! reduce-scatter every micro-batch into the shard (DeepSpeed's behaviour); the results then agree
+//! to rounding.
+//!
+//! Loss scaling: the found-inf flag is all-reduced (MAX) over the whole world, so every rank
+//! skips together. Clipping uses the global norm computed from each rank's chunks.
+
+use crate::error::{ParallelError, Result};
+use crate::flat::{tensor_into_slice, write_var, FlatLayout, DEFAULT_BUCKET_BYTES};
+use candle_core::{Device, Tensor, Var};
+use crossbeam::channel::{unbounded, Receiver, Sender};
+use kiln_comm::{chunk_range, CommExt, Communicator, ReduceOp};
+use kiln_memory::{
+    BoxError, CheckpointPolicy, Executor, GradHook, ParamProvider, Phase, SegmentParams,
+    SegmentedModel,
+};
+use kiln_optim::{AdamW, AdamWConfig, Optimizer};
+use kiln_precision::{unscale_and_check, LossScaler, ScaleEvent};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How model states are split over the data-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// Plain data parallel: everything replicated.
+    Replicated,
+    /// ZeRO-1: optimizer states and fp32 master weights sharded.
+    Zero1,
+    /// ZeRO-2: also gradients.
+    Zero2,
+    /// ZeRO-3: also parameters.
+    Zero3,
+}
+
+impl Stage {
+    /// The ZeRO stage number (0 for replicated).
+    pub fn number(self) -> u8 {
+        match self {
+            Stage::Replicated => 0,
+            Stage::Zero1 => 1,
+            Stage::Zero2 => 2,
+            Stage::Zero3 => 3,
+        }
+    }
+
+    /// The stage with this number.
+    pub fn from_number(n: u8) -> Result<Self> {
+        match n {
+            0 => Ok(Stage::Replicated),
+            1 => Ok(Stage::Zero1),
+            2 => Ok(Stage::Zero2),
+            3 => Ok(Stage::Zero3),
+            _ => Err(ParallelError::Config(format!(
+                "zero stage must be 0, 1, 2 or 3, got {n}"
+            ))),
+        }
+    }
+
+    fn shards_grads(self) -> bool {
+        matches!(self, Stage::Zero2 | Stage::Zero3)
+    }
+}
+
+/// Options of [`DataParallel`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DataParallelConfig {
+    /// The sharding stage.
+    pub stage: Stage,
+    /// Bucket size in bytes (f32 elements x 4).
+    pub bucket_bytes: usize,
+    /// Communicate on a background thread while the backward continues (on by default).
+    pub overlap: bool,
+    /// Clip gradients to this global L2 norm.
+    pub max_grad_norm: Option<f32>,
+    /// The optimizer.
+    pub adamw: AdamWConfig,
+    /// Activation checkpointing.
+    pub checkpoint: CheckpointPolicy,
+}
+
+impl Default for DataParallelConfig {
+    fn default() -> Self {
+        Self {
+            stage: Stage::Replicated,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+            overlap: true,
+            max_grad_norm: None,
+            adamw: AdamWConfig::default(),
+            checkpoint: CheckpointPolicy::None,
+        }
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the micro-batches and the data-parallel group (unscaled).
+    pub loss: f32,
+    /// Global gradient L2 norm before clipping (unscaled); `None` when the step was skipped.
+    pub grad_norm: Option<f64>,
+    /// Whether clipping scaled the gradients.
+    pub clipped: bool,
+    /// What the loss scaler did; [`ScaleEvent::skipped_step`] tells a skipped step.
+    pub scale_event: ScaleEvent,
+    /// The loss scale used for this step.
+    pub loss_scale: f32,
+    /// Seconds spent in forward and backward (including overlapped communication).
+    pub compute_s: f64,
+    /// Seconds waiting for communication after the backward finished.
+    pub comm_wait_s: f64,
+    /// Seconds in unscale, clipping, optimizer and parameter gathering.
+    pub optim_s: f64,
+}
+
+enum Job {
+    AllReduce {
+        unit: usize,
+        buf: Vec<f32>,
+    },
+    ReduceScatter {
+        unit: usize,
+        buf: Vec<f32>,
+        shard: Vec<f32>,
+        accumulate: bool,
+    },
+}
+
+enum Done {
+    AllReduce {
+        unit: usize,
+        buf: Vec<f32>,
+    },
+    ReduceScatter {
+        unit: usize,
+        buf: Vec<f32>,
+        shard: Vec<f32>,
+    },
+}
+
+/// The communication thread: owns its own data-parallel communicator, so its collectives never
+/// interleave with the main thread's (parameter gathers, norms).
+struct Worker {
+    jobs: Option<Sender<Job>>,
+    done: Receiver<std::result::Result<Done, kiln_comm::CommError>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    fn start(comm: Box<dyn Communicator>) -> Result<Self> {
+        let (jobs_tx, jobs_rx) = unbounded::<Job>();
+        let (done_tx, done_rx) = unbounded();
+        let rank = comm.rank();
+        let handle = std::thread::Builder::new()
+            .name(format!("kiln-dp-comm-{rank}"))
+            .spawn(move || {
+                let mut tmp: Vec<f32> = Vec::new();
+                for job in jobs_rx {
+                    let out = match job {
+                        Job::AllReduce { unit, mut buf } => comm
+                            .all_reduce(&mut buf, ReduceOp::Avg)
+                            .map(|_| Done::AllReduce { unit, buf }),
+                        Job::ReduceScatter {
+                            unit,
+                            buf,
+                            mut shard,
+                            accumulate,
+                        } => {
+                            let res = if accumulate {
+                                tmp.resize(shard.len(), 0.0);
+                                comm.reduce_scatter(&buf, &mut tmp, ReduceOp::Avg).map(|_| {
+                                    for (s, t) in shard.iter_mut().zip(&tmp) {
+                                        *s += *t;
+                                    }
+                                })
+                            } else {
+                                comm.reduce_scatter(&buf, &mut shard, ReduceOp::Avg)
+                            };
+                            res.map(|_| Done::ReduceScatter { unit, buf, shard })
+                        }
+                    };
+                    let failed = out.is_err();
+                    if done_tx.send(out).is_err() || failed {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| ParallelError::CommThread {
+                rank,
+                message: format!("could not start: {e}"),
+            })?;
+        Ok(Self {
+            jobs: Some(jobs_tx),
+            done: done_rx,
+            handle: Some(handle),
+        })
+    }
+
+    fn send(&self, job: Job, rank: usize) -> Result<()> {
+        self.jobs
+            .as_ref()
+            .ok_or_else(|| ParallelError::CommThread {
+                rank,
+                message: "already shut down".into(),
+            })?
+            .send(job)
+            .map_err(|_| ParallelError::CommThread {
+                rank,
+                message: "the thread has exited after an earlier error".into(),
+            })
+    }
+
+    fn recv(&self, rank: usize) -> Result<Done> {
+        match self.done.recv() {
+            Ok(Ok(d)) => Ok(d),
+            Ok(Err(e)) => Err(e.into()),
+            Err(_) => Err(ParallelError::CommThread {
+                rank,
+                message: "the thread has exited".into(),
+            }),
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Data parallel (optionally ZeRO-sharded) training of a [`SegmentedModel`] over a data-parallel
+/// communicator. See the module docs.
+pub struct DataParallel {
+    cfg: DataParallelConfig,
+    layout: FlatLayout,
+    dp_rank: usize,
+    dp_size: usize,
+    /// The model's variables, per parameter (stages 0 to 2).
+    vars: Vec<Option<Var>>,
+    /// Per unit: the full fp32 master (replicated) or this rank's chunk (ZeRO).
+    master: Vec<Vec<f32>>,
+    /// Per unit: full gradient accumulators (stages 0 and 1).
+    grads: Vec<Vec<f32>>,
+    /// Per unit: this rank's gradient chunk (stages 2 and 3).
+    grad_shards: Vec<Vec<f32>>,
+    /// Transient full unit buffers for stages 2 and 3.
+    pool: Vec<Vec<f32>>,
+    optim: Vec<AdamW>,
+    /// Main-thread data-parallel communicator (parameter gathers, norms).
+    comm: Box<dyn Communicator>,
+    /// The whole world, for the found-inf flag (defaults to the data-parallel group).
+    world: Option<Arc<dyn Communicator>>,
+    worker: Worker,
+    device: Device,
+    steps: u64,
+}
+
+impl std::fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataParallel")
+            .field("stage", &self.cfg.stage)
+            .field("dp_rank", &self.dp_rank)
+            .field("dp_size", &self.dp_size)
+            .field("units", &self.layout.units().len())
+            .field("steps", &self.steps)
+            .finish()
+    }
+}
+
+impl DataParallel {
+    /// Sets up data parallel training of the parameters `segments` lists (per segment, the named
+    /// variables it uses; a name in two segments is a tied parameter) over the data-parallel
+    /// group `dp`. Collective: every rank of `dp` calls it. Rank 0's initial values are
+    /// broadcast, so all replicas start equal.
+    ///
+    /// For [`Stage::Zero3`] the variables are read once here (to take this rank's chunks) and
+    /// then never used again: the model must run with the parameters the provider hands out
+    /// (see [`SegmentedModel::forward_segment`]), and the caller may drop its own copies.
+    pub fn new(
+        segments: &[Vec<(String, Var)>],
+        dp: &dyn Communicator,
+        cfg: DataParallelConfig,
+    ) -> Result<Self> {
+        let shapes: Vec<Vec<(String, Vec<usize>)>> = segments
+            .iter()
+            .map(|s| {
+                s.iter()
+                    .map(|(n, v)| (n.clone(), v.dims().to_vec()))
+                    .collect()
+            })
+            .collect();
+        let layout = FlatLayout::new(&shapes, (cfg.bucket_bytes / 4).max(1))?;
+        let mut vars: Vec<Option<Var>> = vec![None; layout.params().len()];
+        for seg in segments {
+            for (n, v) in seg {
+                if let Some(i) = layout.index(n) {
+                    vars[i] = Some(v.clone());
+                }
+            }
+        }
+        let device = segments
+            .iter()
+            .flatten()
+            .next()
+            .map(|(_, v)| v.device().clone())
+            .unwrap_or(Device::Cpu);
+        let dp_rank = dp.rank();
+        let dp_size = dp.world_size();
+        let comm = dp.split(0, dp_rank as u32)?;
+        let worker_comm = dp.split(0, dp_rank as u32)?;
+        let stage = cfg.stage;
+        let mut master = Vec::with_capacity(layout.units().len());
+        let mut optim = Vec::with_capacity(layout.units().len());
+        for unit in layout.units() {
+            let mut full = vec![0.0f32; unit.len];
+            for &p in &unit.params {
+                let slot = &layout.params()[p];
+                let v = vars[p].as_ref().ok_or_else(|| ParallelError::Param {
+                    name: slot.name.clone(),
+                    expected: "a variable".into(),
+                    got: "none".into(),
+                })?;
+                tensor_into_slice(
+                    v.as_tensor(),
+                    &mut full[slot.offset..slot.offset + slot.numel],
+                    false,
+                    &slot.name,
+                )?;
+            }
+            comm.broadcast(&mut full, 0)?;
+            let mine = if stage == Stage::Replicated {
+                full
+            } else {
+                full[chunk_range(unit.len, dp_size, dp_rank)].to_vec()
+            };
+            if stage != Stage::Zero3 {
+                // make every replica start from rank 0's values
+                for &p in &unit.params {
+                    let slot = &layout.params()[p];
+                    if let Some(v) = vars[p].as_ref() {
+                        if stage == Stage::Replicated {
+                            write_var(v, &mine[slot.offset..slot.offset + slot.numel])?;
+                        }
+                    }
+                }
+            }
+            optim.push(AdamW::new(mine.len(), cfg.adamw)?);
+            master.push(mine);
+        }
+        let mut dp_engine = Self {
+            grads: Vec::new(),
+            grad_shards: Vec::new(),
+            pool: Vec::new(),
+            cfg,
+            dp_rank,
+            dp_size,
+            vars: if stage == Stage::Zero3 {
+                vec![None; layout.params().len()]
+            } else {
+                vars
+            },
+            master,
+            optim,
+            comm,
+            world: None,
+            worker: Worker::start(worker_comm)?,
+            device,
+            steps: 0,
+            layout,
+        };
+        if matches!(stage, Stage::Zero1 | Stage::Zero2) {
+            dp_engine.gather_into_vars()?;
+        }
+        if stage.shards_grads() {
+            dp_engine.grad_shards = dp_engine
+                .master
+                .iter()
+                .map(|m| vec![0.0; m.len()])
+                .collect();
+        } else {
+            dp_engine.grads = dp_engine
+                .layout
+                .units()
+                .iter()
+                .map(|u| vec![0.0; u.len])
+                .collect();
+        }
+        Ok(dp_engine)
+    }
+
+    /// All-reduce the found-inf flag over this communicator (the whole world when tensor
+    /// parallel ranks must skip together) instead of the data-parallel group.
+    pub fn with_world(mut self, world: Arc<dyn Communicator>) -> Self {
+        self.world = Some(world);
+        self
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DataParallelConfig {
+        &self.cfg
+    }
+
+    /// The parameter layout.
+    pub fn layout(&self) -> &FlatLayout {
+        &self.layout
+    }
+
+    /// Optimizer steps taken (skipped steps not counted).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Sets the learning-rate and other AdamW options (takes effect at the next step).
+    pub fn set_adamw(&mut self, cfg: AdamWConfig) -> Result<()> {
+        for o in &mut self.optim {
+            o.set_config(cfg)?;
+        }
+        self.cfg.adamw = cfg;
+        Ok(())
+    }
+
+    /// Bytes of model state this rank holds in its buffers: (weights, gradients, optimizer
+    /// states). Weights are the model's variables (none under ZeRO-3); the optimizer states are
+    /// the fp32 master copy and the two AdamW moments.
+    pub fn model_state_bytes(&self) -> (u64, u64, u64) {
+        let weights: u64 = self
+            .vars
+            .iter()
+            .flatten()
+            .map(|v| (v.elem_count() * v.dtype().size_in_bytes()) as u64)
+            .sum();
+        let grads: u64 = self
+            .grads
+            .iter()
+            .chain(&self.grad_shards)
+            .map(|g| g.len() as u64 * 4)
+            .sum();
+        let optim: u64 = self
+            .master
+            .iter()
+            .zip(&self.optim)
+            .map(|(m, o)| (m.len() + o.exp_avg().len() + o.exp_avg_sq().len()) as u64 * 4)
+            .sum();
+        (weights, grads, optim)
+    }
+
+    /// The full parameter vector in layout order, gathered from every rank (collective over the
+    /// data-parallel group). For checks and checkpoints.
+    pub fn full_params(&self) -> Result<Vec<(String, Vec<f32>)>> {
+        let mut out = Vec::with_capacity(self.layout.params().len());
+        for (u, unit) in self.layout.units().iter().enumerate() {
+            let full = self.gather_unit(u)?;
+            for &p in &unit.params {
+                let s = &self.layout.params()[p];
+                out.push((s.name.clone(), full[s.offset..s.offset + s.numel].to_vec()));
+            }
+            debug_assert_eq!(full.len(), unit.len);
+        }
+        Ok(out)
+    }
+
+    fn gather_unit(&self, u: usize) -> Result<Vec<f32>> {
+        if self.cfg.stage == Stage::Replicated {
+            return Ok(self.master[u].clone());
+        }
+        let mut full = vec![0.0f32; self.layout.units()[u].len];
+        self.comm.all_gather(&self.master[u], &mut full)?;
+        Ok(full)
+    }
+
+    fn gather_into_vars(&mut self) -> Result<()> {
+        let mut full = Vec::new();
+        for (u, unit) in self.layout.units().iter().enumerate() {
+            full.resize(unit.len, 0.0);
+            if self.cfg.stage == Stage::Replicated {
+                full.copy_from_slice(&self.master[u]);
+            } else {
+                self.comm.all_gather(&self.master[u], &mut full)?;
+            }
+            for &p in &unit.params {
+                let s = &self.layout.params()[p];
+                if let Some(v) = &self.vars[p] {
+                    write_var(v, &full[s.offset..s.offset + s.numel])?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimizer step over `micro_batches` (inputs and targets; gradient accumulation when
+    /// more than one): forward and backward through the segmented executor with this engine's
+    /// gradient hook and parameter provider, gradient reduction, unscale and found-inf check,
+    /// clipping, the optimizer on this rank's shard and the parameter gather.
+    ///
+    /// `lr` is the learning rate for this step; a step skipped by the loss scaler leaves every
+    /// parameter and the optimizer state unchanged (check [`StepReport::scale_event`]).
+    pub fn step<M: SegmentedModel + ?Sized>(
+        &mut self,
+        model: &M,
+        micro_batches: &[(Tensor, Tensor)],
+        lr: f32,
+        scaler: &mut dyn LossScaler,
+    ) -> Result<StepReport> {
+        if micro_batches.is_empty() {
+            return Err(ParallelError::Config(
+                "a step needs at least one micro-batch".into(),
+            ));
+        }
+        if model.num_segments() != self.layout.num_segments() {
+            return Err(ParallelError::Config(format!(
+                "the model has {} segments but the parameters were listed for {}",
+                model.num_segments(),
+                self.layout.num_segments()
+            )));
+        }
+        let t0 = Instant::now();
+        let scale = scaler.scale();
+        let executor = Executor::new(self.cfg.checkpoint);
+        let accum = micro_batches.len();
+        let mut loss_sum = 0.0f64;
+        let mut comm_wait = Duration::ZERO;
+        for (k, (x, y)) in micro_batches.iter().enumerate() {
+            let sync = k + 1 == accum;
+            let communicate = sync || self.cfg.stage.shards_grads();
+            let mut hook = GradSink {
+                layout: &self.layout,
+                stage: self.cfg.stage,
+                grads: &mut self.grads,
+                pool: &mut self.pool,
+                shards: &mut self.grad_shards,
+                worker: &self.worker,
+                pending: self
+                    .layout
+                    .units()
+                    .iter()
+                    .map(|u| u.contributions)
+                    .collect(),
+                seen: vec![false; self.layout.params().len()],
+                first_micro: k == 0,
+                communicate,
+                overlap: self.cfg.overlap,
+                deferred: Vec::new(),
+                in_flight: 0,
+                rank: self.dp_rank,
+                dp_size: self.dp_size,
+            };
+            let mut provider = Provider {
+                layout: &self.layout,
+                vars: &self.vars,
+                master: &self.master,
+                comm: &*self.comm,
+                stage: self.cfg.stage,
+                device: &self.device,
+            };
+            let out = executor.run(model, x, y, &mut provider, &mut hook, scale as f64)?;
+            loss_sum += out
+                .loss
+                .to_dtype(candle_core::DType::F64)?
+                .to_scalar::<f64>()?;
+            let tw = Instant::now();
+            hook.finish()?;
+            comm_wait += tw.elapsed();
+        }
+        let compute_s = t0.elapsed().as_secs_f64() - comm_wait.as_secs_f64();
+
+        let t_opt = Instant::now();
+        // unscale (and average micro-batches), check for inf/NaN on what this rank owns
+        let inv = 1.0 / (scale * accum as f32);
+        let mut found_inf = false;
+        for u in 0..self.layout.units().len() {
+            found_inf |= unscale_and_check(self.owned_grads_mut(u), inv);
+        }
+        if self.cfg.stage == Stage::Replicated {
+            // the rest of the replicated buffer is needed by the optimizer too
+            for u in 0..self.layout.units().len() {
+                let len = self.grads[u].len();
+                let c = chunk_range(len, self.dp_size, self.dp_rank);
+                let g = &mut self.grads[u];
+                let (head, tail) = g.split_at_mut(c.start);
+                unscale_and_check(head, inv);
+                unscale_and_check(&mut tail[c.len()..], inv);
+            }
+        }
+        let found_inf = match &self.world {
+            Some(w) => kiln_precision::all_reduce_found_inf(&**w, found_inf)?,
+            None => kiln_precision::all_reduce_found_inf(&*self.comm, found_inf)?,
+        };
+        let loss_local = loss_sum / accum as f64;
+        let loss = self.comm.all_reduce_scalar(loss_local, ReduceOp::Avg)? as f32;
+        let scale_event = scaler.update(found_inf)?;
+        if found_inf {
+            return Ok(StepReport {
+                loss,
+                grad_norm: None,
+                clipped: false,
+                scale_event,
+                loss_scale: scale,
+                compute_s,
+                comm_wait_s: comm_wait.as_secs_f64(),
+                optim_s: t_opt.elapsed().as_secs_f64(),
+            });
+        }
+        // global norm from each rank's chunks, in a fixed order
+        let mut sq = kiln_optim::SquareSum::new();
+        for u in 0..self.layout.units().len() {
+            sq.add(self.owned_grads(u));
+        }
+        sq.all_reduce(&*self.comm)?;
+        let norm = sq.norm();
+        let mut clipped = false;
+        if let Some(max_norm) = self.cfg.max_grad_norm {
+            if norm.is_finite() && norm > max_norm as f64 {
+                let coef = (max_norm as f64 / (norm + 1e-6)) as f32;
+                clipped = true;
+                for u in 0..self.layout.units().len() {
+                    let g: &mut [f32] = if self.cfg.stage.shards_grads() {
+                        &mut self.grad_shards[u]
+                    } else {
+                        &mut self.grads[u]
+                    };
+                    for x in g.iter_mut() {
+                        *x *= coef;
+                    }
+                }
+            }
+        }
+        for u in 0..self.layout.units().len() {
+            let c = chunk_range(self.layout.units()[u].len, self.dp_size, self.dp_rank);
+            let grads: &[f32] = match self.cfg.stage {
+                Stage::Replicated => &self.grads[u],
+                Stage::Zero1 => &self.grads[u][c],
+                Stage::Zero2 | Stage::Zero3 => &self.grad_shards[u],
+            };
+            self.optim[u].step(&mut self.master[u], grads, lr)?;
+        }
+        if self.cfg.stage != Stage::Zero3 {
+            self.gather_into_vars()?;
+        }
+        self.steps += 1;
+        Ok(StepReport {
+            loss,
+            grad_norm: Some(norm),
+            clipped,
+            scale_event,
+            loss_scale: scale,
+            compute_s,
+            comm_wait_s: comm_wait.as_secs_f64(),
+            optim_s: t_opt.elapsed().as_secs_f64(),
+        })
+    }
+
+    fn owned_grads(&self, u: usize) -> &[f32] {
+        if self.cfg.stage.shards_grads() {
+            &self.grad_shards[u]
+        } else {
+            let c = chunk_range(self.grads[u].len(), self.dp_size, self.dp_rank);
+            &self.grads[u][c]
+        }
+    }
+
+    fn owned_grads_mut(&mut self, u: usize) -> &mut [f32] {
+        if self.cfg.stage.shards_grads() {
+            &mut self.grad_shards[u]
+        } else {
+            let c = chunk_range(self.grads[u].len(), self.dp_size, self.dp_rank);
+            &mut self.grads[u][c]
+        }
+    }
+
+    /// The AdamW optimizers, one per unit, holding this rank's chunk (the whole unit when
+    /// replicated), for checkpoints.
+    pub fn optimizers(&self) -> &[AdamW] {
+        &self.optim
+    }
+
+    /// Mutable access to the optimizers (restoring a checkpoint).
+    pub fn optimizers_mut(&mut self) -> &mut [AdamW] {
+        &mut self.optim
+    }
+
+    /// This rank's fp32 master values per unit (the chunk it owns, or the whole unit).
+    pub fn master(&self) -> &[Vec<f32>] {
+        &self.master
+    }
+
+    /// Replaces this rank's master values (restoring a checkpoint) and refreshes the model's
+    /// variables. Collective over the data-parallel group.
+    pub fn load_master(&mut self, master: Vec<Vec<f32>>) -> Result<()> {
+        if master.len() != self.master.len()
+            || master
+                .iter()
+                .zip(&self.master)
+                .any(|(a, b)| a.len() != b.len())
+        {
+            return Err(ParallelError::Param {
+                name: "master".into(),
+                expected: format!("{:?}", self.master.iter().map(Vec::len).collect::<Vec<_>>()),
+                got: format!("{:?}", master.iter().map(Vec::len).collect::<Vec<_>>()),
+            });
+        }
+        self.master = master;
+        if self.cfg.stage != Stage::Zero3 {
+            self.gather_into_vars()?;
+        }
+        Ok(())
+    }
+}
+
+/// The gradient hook: copies each segment's gradients into the unit buffers and hands a unit to
+/// the communication thread as soon as all its contributions have arrived.
+struct GradSink<'a> {
+    layout: &'a FlatLayout,
+    stage: Stage,
+    grads: &'a mut Vec<Vec<f32>>,
+    pool: &'a mut Vec<Vec<f32>>,
+    shards: &'a mut Vec<Vec<f32>>,
+    worker: &'a Worker,
+    pending: Vec<usize>,
+    seen: Vec<bool>,
+    first_micro: bool,
+    communicate: bool,
+    overlap: bool,
+    deferred: Vec<usize>,
+    in_flight: usize,
+    rank: usize,
+    dp_size: usize,
+}
+
+impl GradSink<'_> {
+    fn unit_buffer(&mut self, u: usize) -> &mut Vec<f32> {
+        if self.stage.shards_grads() {
+            // stage 2/3: a transient full buffer per unit while it fills
+            if self.grads.len() <= u {
+                self.grads.resize_with(self.layout.units().len(), Vec::new);
+            }
+            if self.grads[u].is_empty() {
+                let len = self.layout.units()[u].len;
+                let mut b = self.pool.pop().unwrap_or_default();
+                b.clear();
+                b.resize(len, 0.0);
+                self.grads[u] = b;
+            }
+        }
+        &mut self.grads[u]
+    }
+
+    fn dispatch(&mut self, u: usize) -> Result<()> {
+        let job = if self.stage.shards_grads() {
+            let buf = std::mem::take(&mut self.grads[u]);
+            let shard = std::mem::take(&mut self.shards[u]);
+            Job::ReduceScatter {
+                unit: u,
+                buf,
+                shard,
+                accumulate: !self.first_micro,
+            }
+        } else {
+            Job::AllReduce {
+                unit: u,
+                buf: std::mem::take(&mut self.grads[u]),
+            }
+        };
+        self.worker.send(job, self.rank)?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Sends what was deferred (overlap off) and waits for every unit to come back.
+    fn finish(&mut self) -> Result<()> {
+        for u in std::mem::take(&mut self.deferred) {
+            self.dispatch(u)?;
+        }
+        while self.in_flight > 0 {
+            match self.worker.recv(self.rank)? {
+                Done::AllReduce { unit, buf } => self.grads[unit] = buf,
+                Done::ReduceScatter { unit, buf, shard } => {
+                    self.shards[unit] = shard;
+                    self.pool.push(buf);
+                }
+            }
+            self.in_flight -= 1;
+        }
+        if self.stage.shards_grads() {
+            // the transient buffers are back in the pool
+            self.grads.iter_mut().for_each(|g| {
+                if !g.is_empty() {
+                    self.pool.push(std::mem::take(g));
+                }
+            });
+        }
+        debug_assert!(self.dp_size > 0);
+        Ok(())
+    }
+}
+
+impl GradHook for GradSink<'_> {
+    fn segment_grads(
+        &mut self,
+        _segment: usize,
+        grads: Vec<(String, Tensor)>,
+    ) -> std::result::Result<(), BoxError> {
+        for (name, g) in grads {
+            let p = self
+                .layout
+                .index(&name)
+                .ok_or_else(|| format!("gradient for unknown parameter {name}"))?;
+            let slot = &self.layout.params()[p];
+            let (u, off, n) = (slot.unit, slot.offset, slot.numel);
+            // overwrite on the first contribution of the step (stages 0/1 accumulate over
+            // micro-batches; stages 2/3 start each micro-batch from a fresh buffer)
+            let fresh = !self.seen[p] && (self.first_micro || self.stage.shards_grads());
+            self.seen[p] = true;
+            let buf = self.unit_buffer(u);
+            tensor_into_slice(&g, &mut buf[off..off + n], !fresh, &name)?;
+            self.pending[u] -= 1;
+            if self.pending[u] == 0 && self.communicate {
+                if self.overlap {
+                    self.dispatch(u)?;
+                } else {
+                    self.deferred.push(u);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The parameter provider: the model's own variables (stages 0 to 2), or, under ZeRO-3, fresh
+/// variables all-gathered from the shards for the segment's units.
+struct Provider<'a> {
+    layout: &'a FlatLayout,
+    vars: &'a [Option<Var>],
+    master: &'a [Vec<f32>],
+    comm: &'a dyn Communicator,
+    stage: Stage,
+    device: &'a Device,
+}
+
+impl ParamProvider for Provider<'_> {
+    fn acquire(
+        &mut self,
+        segment: usize,
+        _phase: Phase,
+    ) -> std::result::Result<SegmentParams, BoxError> {
+        let ids = self.layout.segment_params(segment);
+        if self.stage != Stage::Zero3 {
+            let mut out = Vec::with_capacity(ids.len());
+            for &p in ids {
+                let s = &self.layout.params()[p];
+                let v = self.vars[p]
+                    .clone()
+                    .ok_or_else(|| format!("no variable for {}", s.name))?;
+                out.push((s.name.clone(), v));
+            }
+            return Ok(SegmentParams::new(out));
+        }
+        let mut units: Vec<usize> = ids.iter().map(|&p| self.layout.params()[p].unit).collect();
+        units.sort_unstable();
+        units.dedup();
+        let mut out = Vec::with_capacity(ids.len());
+        let mut full = Vec::new();
+        for u in units {
+            full.resize(self.layout.units()[u].len, 0.0);
+            self.comm.all_gather(&self.master[u], &mut full)?;
+            for &p in ids {
+                let s = &self.layout.params()[p];
+                if s.unit == u {
+                    let t = Tensor::from_slice(
+                        &full[s.offset..s.offset + s.numel],
+                        s.shape.as_slice(),
+                        self.device,
+                    )?;
+                    out.push((s.name.clone(), Var::from_tensor(&t)?));
+                }
+            }
+        }
+        // keep the segment's listing order
+        out.sort_by_key(|(n, _)| ids.iter().position(|&p| self.layout.params()[p].name == *n));
+        Ok(SegmentParams::new(out))
+    }
+}

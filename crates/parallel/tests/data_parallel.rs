@@ -1,0 +1,451 @@
+//! Data parallel against one rank on the whole batch, and ZeRO stages 1-3 against plain data
+//! parallel, on a small segmented model (tied embedding, residual MLP blocks, LayerNorm-free
+//! head) whose every segment takes its weights from the parameter provider.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use kiln_comm::{Communicator, ThreadComm};
+
+use kiln_memory::{CheckpointPolicy, SegmentParams, SegmentedModel};
+use kiln_optim::{AdamW, AdamWConfig, Optimizer};
+use kiln_parallel::{DataParallel, DataParallelConfig, Stage};
+use kiln_precision::{DynamicLossScaler, LossScaler, NoScaler, ScaleEvent};
+use kiln_testkit::{max_rel_diff, run_ranks};
+
+const VOCAB: usize = 16;
+const D_MODEL: usize = 12;
+const BLOCKS: usize = 3;
+const SEQ: usize = 6;
+const BATCH: usize = 8;
+const STEPS: usize = 5;
+const LR: f32 = 1e-2;
+
+/// A toy language model: one-hot embedding, residual tanh-MLP blocks, tied head, cross-entropy.
+struct Toy;
+
+fn init(shape: &[usize], seed: u64) -> Var {
+    let n: usize = shape.iter().product();
+    let data: Vec<f32> = (0..n)
+        .map(|i| {
+            let mut x = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x ^= x >> 31;
+            ((x % 2001) as f32 / 1000.0 - 1.0) * 0.5
+        })
+        .collect();
+    Var::from_tensor(&Tensor::from_vec(data, shape, &Device::Cpu).unwrap()).unwrap()
+}
+
+/// Fresh parameters (same values on every call), per segment.
+fn params() -> Vec<Vec<(String, Var)>> {
+    let wte = init(&[VOCAB, D_MODEL], 1);
+    let mut segs = vec![vec![
+        ("wte".to_string(), wte.clone()),
+        ("wpe".to_string(), init(&[SEQ, D_MODEL], 2)),
+    ]];
+    for b in 0..BLOCKS {
+        segs.push(vec![
+            (
+                format!("h{b}.w1"),
+                init(&[D_MODEL, 2 * D_MODEL], 10 + b as u64),
+            ),
+            (format!("h{b}.b1"), init(&[2 * D_MODEL], 20 + b as u64)),
+            (
+                format!("h{b}.w2"),
+                init(&[2 * D_MODEL, D_MODEL], 30 + b as u64),
+            ),
+        ]);
+    }
+    segs.push(vec![("wte".to_string(), wte)]);
+    segs
+}
+
+impl SegmentedModel for Toy {
+    fn num_segments(&self) -> usize {
+        BLOCKS + 2
+    }
+
+    fn forward_segment(
+        &self,
+        i: usize,
+        x: &Tensor,
+        targets: &Tensor,
+        p: &SegmentParams,
+    ) -> candle_core::Result<Tensor> {
+        if i == 0 {
+            let (b, t) = x.dims2()?;
+            let onehot = x
+                .flatten_all()?
+                .unsqueeze(1)?
+                .broadcast_eq(&Tensor::arange(0u32, VOCAB as u32, x.device())?.unsqueeze(0)?)?
+                .to_dtype(DType::F32)?;
+            let e = onehot.matmul(p.tensor("wte")?)?.reshape((b, t, D_MODEL))?;
+            return e.broadcast_add(&p.tensor("wpe")?.narrow(0, 0, t)?);
+        }
+        if i == BLOCKS + 1 {
+            let (b, t, d) = x.dims3()?;
+            let logits = x.reshape((b * t, d))?.matmul(&p.tensor("wte")?.t()?)?;
+            let max = logits.max_keepdim(D::Minus1)?.detach();
+            let shifted = logits.broadcast_sub(&max)?;
+            let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+            let logp = shifted.broadcast_sub(&lse)?;
+            return logp
+                .gather(&targets.flatten_all()?.unsqueeze(1)?, 1)?
+                .mean_all()?
+                .neg();
+        }
+        let blk = i - 1;
+        let (b, t, d) = x.dims3()?;
+        let h = x.reshape((b * t, d))?;
+        let a = h
+            .matmul(p.tensor(&format!("h{blk}.w1"))?)?
+            .broadcast_add(p.tensor(&format!("h{blk}.b1"))?)?
+            .tanh()?;
+        (h + a.matmul(p.tensor(&format!("h{blk}.w2"))?)?)?.reshape((b, t, d))
+    }
+}
+
+/// Batch for `step`: rows `lo..hi` of a fixed pseudo-random global batch.
+fn batch(step: usize, lo: usize, hi: usize) -> (Tensor, Tensor) {
+    let tok = |r: usize, c: usize, k: usize| {
+        (((step * 131 + r * 17 + c * 7 + k * 3) * 2654435761usize) >> 7) % VOCAB
+    };
+    let x: Vec<u32> = (lo..hi)
+        .flat_map(|r| (0..SEQ).map(move |c| tok(r, c, 0) as u32))
+        .collect();
+    let y: Vec<u32> = (lo..hi)
+        .flat_map(|r| (0..SEQ).map(move |c| tok(r, c, 1) as u32))
+        .collect();
+    (
+        Tensor::from_vec(x, (hi - lo, SEQ), &Device::Cpu).unwrap(),
+        Tensor::from_vec(y, (hi - lo, SEQ), &Device::Cpu).unwrap(),
+    )
+}
+
+struct RunOut {
+    params: Vec<(String, Vec<f32>)>,
+    losses: Vec<f32>,
+    bytes: (u64, u64, u64),
+}
+
+fn train(dp: usize, cfg: DataParallelConfig, accum: usize) -> RunOut {
+    let outs = run_ranks(dp, |comm: ThreadComm| {
+        let segs = params();
+        let mut engine = DataParallel::new(&segs, &comm, cfg)?;
+        drop(segs);
+        let per = BATCH / dp;
+        let mut scaler = NoScaler;
+        let mut losses = Vec::new();
+        for s in 0..STEPS {
+            let lo = comm.rank() * per;
+            let mb = per / accum;
+            let micro: Vec<(Tensor, Tensor)> = (0..accum)
+                .map(|k| batch(s, lo + k * mb, lo + (k + 1) * mb))
+                .collect();
+            let r = engine.step(&Toy, &micro, LR, &mut scaler)?;
+            losses.push(r.loss);
+        }
+        Ok(RunOut {
+            params: engine.full_params()?,
+            losses,
+            bytes: engine.model_state_bytes(),
+        })
+    });
+    outs.into_iter().next().unwrap()
+}
+
+fn flat(p: &[(String, Vec<f32>)]) -> Vec<f32> {
+    p.iter().flat_map(|(_, v)| v.iter().copied()).collect()
+}
+
+fn cfg(stage: Stage) -> DataParallelConfig {
+    DataParallelConfig {
+        stage,
+        bucket_bytes: 600, // several units per segment
+        ..Default::default()
+    }
+}
+
+/// The reference of the reference: a plain loop with one whole-model `backward()` and kiln's
+/// AdamW on each parameter, no engine.
+fn plain_single_rank() -> Vec<f32> {
+    let segs = params();
+    let mut names: Vec<(String, Var)> = Vec::new();
+    for s in &segs {
+        for (n, v) in s {
+            if !names.iter().any(|(m, _)| m == n) {
+                names.push((n.clone(), v.clone()));
+            }
+        }
+    }
+    let mut opts: Vec<AdamW> = names
+        .iter()
+        .map(|(_, v)| AdamW::new(v.elem_count(), AdamWConfig::default()).unwrap())
+        .collect();
+    for s in 0..STEPS {
+        let (x, y) = batch(s, 0, BATCH);
+        let mut h = x;
+        for (i, sp) in segs.iter().enumerate() {
+            h = Toy
+                .forward_segment(i, &h, &y, &SegmentParams::new(sp.clone()))
+                .unwrap();
+        }
+        let grads = h.backward().unwrap();
+        for ((_, v), o) in names.iter().zip(&mut opts) {
+            let g = grads
+                .get(v.as_tensor())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let mut p = v
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            o.step(&mut p, &g, LR).unwrap();
+            v.set(&Tensor::from_vec(p, v.dims(), &Device::Cpu).unwrap())
+                .unwrap();
+        }
+    }
+    // the engine's layout order: by unit, backward order; compare by name instead
+    let mut by_name: Vec<(String, Vec<f32>)> = names
+        .iter()
+        .map(|(n, v)| {
+            (
+                n.clone(),
+                v.as_tensor()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    by_name.sort_by(|a, b| a.0.cmp(&b.0));
+    flat(&by_name)
+}
+
+fn sorted(mut p: Vec<(String, Vec<f32>)>) -> Vec<f32> {
+    p.sort_by(|a, b| a.0.cmp(&b.0));
+    flat(&p)
+}
+
+#[test]
+fn one_rank_engine_matches_a_plain_training_loop() {
+    let engine = sorted(train(1, cfg(Stage::Replicated), 1).params);
+    let plain = plain_single_rank();
+    let rel = max_rel_diff(&engine, &plain);
+    println!("engine (1 rank) vs plain loop: max relative difference {rel:e}");
+    assert!(rel < 1e-6, "{rel}");
+}
+
+#[test]
+fn data_parallel_equals_one_rank_on_the_whole_batch() {
+    let single = train(1, cfg(Stage::Replicated), 1);
+    for dp in [2, 4] {
+        let multi = train(dp, cfg(Stage::Replicated), 1);
+        let (a, b) = (flat(&multi.params), flat(&single.params));
+        let w = kiln_testkit::worst_diff(
+            &a.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+            &b.iter().map(|&x| x as f64).collect::<Vec<_>>(),
+            0.0,
+            1.0,
+        )
+        .unwrap();
+        println!("dp={dp} vs 1 rank after {STEPS} steps: max relative difference {:e} (at {} : {} vs {})", max_rel_diff(&a, &b), w.index, w.actual, w.expected);
+        kiln_testkit::assert_close(&a, &b, 1e-6, 1e-5);
+        for (a, b) in multi.losses.iter().zip(&single.losses) {
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "loss {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn zero_stages_equal_plain_data_parallel_bitwise() {
+    for dp in [2, 4] {
+        let plain = train(dp, cfg(Stage::Replicated), 1);
+        for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            let z = train(dp, cfg(stage), 1);
+            kiln_testkit::assert_bitwise_eq(&flat(&z.params), &flat(&plain.params));
+            assert_eq!(z.losses, plain.losses, "{stage:?} dp={dp}");
+        }
+    }
+}
+
+#[test]
+fn overlap_bucket_size_and_checkpointing_do_not_change_the_result() {
+    let base = train(2, cfg(Stage::Replicated), 1);
+    for c in [
+        DataParallelConfig {
+            overlap: false,
+            ..cfg(Stage::Replicated)
+        },
+        DataParallelConfig {
+            bucket_bytes: 1 << 20,
+            ..cfg(Stage::Zero2)
+        },
+        DataParallelConfig {
+            checkpoint: CheckpointPolicy::EveryBlock,
+            ..cfg(Stage::Zero3)
+        },
+        DataParallelConfig {
+            checkpoint: CheckpointPolicy::EveryKth(2),
+            ..cfg(Stage::Zero1)
+        },
+    ] {
+        let r = train(2, c, 1);
+        kiln_testkit::assert_bitwise_eq(&flat(&r.params), &flat(&base.params));
+    }
+}
+
+#[test]
+fn gradient_accumulation_matches_the_full_batch() {
+    let full = train(2, cfg(Stage::Replicated), 1);
+    for stage in [Stage::Replicated, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        let acc = train(2, cfg(stage), 2);
+        let rel = max_rel_diff(&flat(&acc.params), &flat(&full.params));
+        println!("accumulation x2 ({stage:?}) vs one micro-batch: max relative difference {rel:e}");
+        assert!(rel < 1e-5, "{stage:?}: {rel}");
+    }
+}
+
+#[test]
+fn clipping_is_global_and_equal_across_stages() {
+    let clip = |stage| DataParallelConfig {
+        max_grad_norm: Some(0.05),
+        ..cfg(stage)
+    };
+    let plain = train(2, clip(Stage::Replicated), 1);
+    let unclipped = train(2, cfg(Stage::Replicated), 1);
+    assert!(
+        max_rel_diff(&flat(&plain.params), &flat(&unclipped.params)) > 1e-4,
+        "clipping had no effect"
+    );
+    for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        let z = train(2, clip(stage), 1);
+        kiln_testkit::assert_bitwise_eq(&flat(&z.params), &flat(&plain.params));
+    }
+}
+
+#[test]
+fn model_state_bytes_follow_the_zero_formulas() {
+    use kiln_memory::{MemPrecision, MemoryPlan, ShardingStage};
+    // every parameter once (the tied wte is listed by two segments)
+    let psi: u64 = params()
+        .iter()
+        .flatten()
+        .map(|(_, v)| v.elem_count() as u64)
+        .sum::<u64>()
+        - (VOCAB * D_MODEL) as u64;
+    for (stage, sharding) in [
+        (Stage::Replicated, ShardingStage::Replicated),
+        (Stage::Zero1, ShardingStage::Zero1),
+        (Stage::Zero2, ShardingStage::Zero2),
+        (Stage::Zero3, ShardingStage::Zero3),
+    ] {
+        let r = train(4, cfg(stage), 1);
+        let got = r.bytes.0 + r.bytes.1 + r.bytes.2;
+        let want = MemoryPlan::model_state_bytes_for(psi, MemPrecision::F32, sharding, 4);
+        let ratio = got as f64 / want as f64;
+        println!("{stage:?} dp=4: measured {got} bytes, formula {want} (ratio {ratio:.4})");
+        assert!((ratio - 1.0).abs() < 0.05, "{stage:?}: {got} vs {want}");
+    }
+}
+
+/// The toy model, but on one rank the gradient of one element of `h0.b1` becomes infinite
+/// (the forward is unchanged: the poison term is exactly zero going forward).
+struct Poisoned {
+    poison: bool,
+}
+
+impl SegmentedModel for Poisoned {
+    fn num_segments(&self) -> usize {
+        Toy.num_segments()
+    }
+
+    fn forward_segment(
+        &self,
+        i: usize,
+        x: &Tensor,
+        targets: &Tensor,
+        p: &SegmentParams,
+    ) -> candle_core::Result<Tensor> {
+        if i != 1 || !self.poison {
+            return Toy.forward_segment(i, x, targets, p);
+        }
+        let b1 = p.tensor("h0.b1")?;
+        let mut m = vec![0.0f32; 2 * D_MODEL];
+        m[0] = 1e30;
+        let mask = Tensor::from_vec(m, 2 * D_MODEL, x.device())?;
+        let poisoned = (b1 + ((b1 - b1.detach())? * &mask)?.affine(1e30, 0.0)?)?;
+        let mut vars: Vec<(String, Var)> = p.vars().to_vec();
+        for (n, v) in vars.iter_mut() {
+            if n == "h0.b1" {
+                *v = Var::from_tensor(&poisoned.detach())?;
+            }
+        }
+        // run block 0 with the poisoned bias but keep the gradient path to the real one
+        let (b, t, d) = x.dims3()?;
+        let h = x.reshape((b * t, d))?;
+        let a = h
+            .matmul(p.tensor("h0.w1")?)?
+            .broadcast_add(&poisoned)?
+            .tanh()?;
+        (h + a.matmul(p.tensor("h0.w2")?)?)?.reshape((b, t, d))
+    }
+}
+
+#[test]
+fn an_overflow_on_one_rank_makes_every_rank_skip() {
+    for stage in [Stage::Replicated, Stage::Zero2, Stage::Zero3] {
+        let outs = run_ranks(2, |comm| {
+            let segs = params();
+            let mut engine = DataParallel::new(&segs, &comm, cfg(stage))?;
+            let before = engine.full_params()?;
+            let mut scaler = DynamicLossScaler::new(Default::default())?;
+            let (x, y) = batch(0, comm.rank() * 4, comm.rank() * 4 + 4);
+            let model = Poisoned {
+                poison: comm.rank() == 1,
+            };
+            let r = engine.step(&model, &[(x.clone(), y.clone())], LR, &mut scaler)?;
+            let after = engine.full_params()?;
+            let r2 = engine.step(&Toy, &[(x, y)], LR, &mut scaler)?;
+            Ok((
+                r.scale_event,
+                before == after,
+                r2.scale_event,
+                scaler.scale(),
+                engine.steps(),
+            ))
+        });
+        for (ev, unchanged, ev2, scale, steps) in outs {
+            assert_eq!(ev, ScaleEvent::BackedOff, "{stage:?}");
+            assert!(ev.skipped_step());
+            assert!(unchanged, "a skipped step must not touch the parameters");
+            assert_eq!(ev2, ScaleEvent::Stepped);
+            assert_eq!(scale, 32768.0);
+            assert_eq!(steps, 1);
+        }
+    }
+}
+
+#[test]
+fn mismatched_parameter_lists_are_errors() {
+    let r = kiln_testkit::try_run_ranks(1, kiln_testkit::TEST_TIMEOUT, |comm| {
+        let mut segs = params();
+        segs[2].push(("wte".into(), init(&[D_MODEL, VOCAB], 3)));
+        Ok(DataParallel::new(&segs, &comm, cfg(Stage::Zero1))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string())
+    })
+    .unwrap();
+    assert!(
+        r[0].contains("wte") && r[0].contains("[16, 12]") && r[0].contains("[12, 16]"),
+        "{}",
+        r[0]
+    );
+}
