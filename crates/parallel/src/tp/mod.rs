@@ -1,1 +1,58 @@
-//! Megatron-style tensor parallelism.
+//! Megatron-LM tensor parallelism as candle building blocks.
+//!
+//! - The conjugate operators, candle custom ops whose backward runs the conjugate collective
+//!   over the tensor-parallel group [`TpComm`]: [`copy_to_tp_region`] (`f`: identity forward,
+//!   all-reduce backward) and [`reduce_from_tp_region`] (`g`: all-reduce forward, identity
+//!   backward), plus [`gather_from_tp_region`] / [`scatter_to_tp_region`] along the last
+//!   dimension.
+//! - [`ColumnParallelLinear`] (weight split by output features; QKV and fc1) and
+//!   [`RowParallelLinear`] (split by input features, bias added after the all-reduce; attention
+//!   output and fc2), or the plain functions [`column_parallel_linear`] and
+//!   [`row_parallel_linear`] on tensors.
+//! - [`VocabParallelEmbedding`] with its tied head ([`vocab_parallel_logits`]) and
+//!   [`vocab_parallel_cross_entropy`], which never gathers the logits.
+//! - [`TpSplit`] and [`shard_column`], [`shard_row`], [`shard_qkv`] (head-aware),
+//!   [`shard_vocab`]: whole parameters to shards and back ([`TpSplit::unshard`]).
+//!
+//! Every rank of the group must run the same ops in the same order, forward and backward. A
+//! failed collective inside an op comes back as a candle error carrying the
+//! [`kiln_comm::CommError`] text.
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//! use kiln_parallel::tp::{ColumnParallelLinear, RowParallelLinear, TpComm};
+//! use std::sync::Arc;
+//! // y = W2 (W1 x): W1 = [[1, 0], [0, 2]] split by rows, W2 = [[1, 1]] split by columns
+//! let out = kiln_comm::spawn(2, |comm| {
+//!     let tp: TpComm = Arc::new(comm);
+//!     let w1 = Tensor::new(&[[1f32, 0.], [0., 2.]], &Device::Cpu)?;
+//!     let w2 = Tensor::new(&[[1f32, 1.]], &Device::Cpu)?;
+//!     let fc1 = ColumnParallelLinear::from_full(&w1, None, tp.clone())?;
+//!     let fc2 = RowParallelLinear::from_full(&w2, None, tp)?;
+//!     let x = Var::new(&[[3f32, 4.]], &Device::Cpu)?;
+//!     let y = fc2.forward(&fc1.forward(x.as_tensor())?)?;
+//!     let dx = y.sum_all()?.backward()?.get(&x).map(|g| g.to_vec2::<f32>()).transpose()?;
+//!     Ok::<_, kiln_parallel::ParallelError>((y.to_vec2::<f32>()?, dx))
+//! })
+//! .unwrap();
+//! assert_eq!(out[1].0, [[11.]]); // 3 + 2 * 4 on every rank
+//! assert_eq!(out[0].1, Some(vec![vec![1., 2.]])); // dy/dx = W2 W1, summed by f
+//! ```
+
+mod linear;
+mod ops;
+mod shard;
+mod vocab;
+
+pub use linear::{
+    column_parallel_linear, linear, row_parallel_linear, ColumnParallelLinear, RowParallelLinear,
+};
+pub use ops::{
+    all_reduce_tensor, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+    scatter_to_tp_region, TpComm,
+};
+pub use shard::{shard_column, shard_qkv, shard_row, shard_vocab, vocab_range, TpSplit};
+pub use vocab::{
+    vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_parallel_logits,
+    VocabParallelEmbedding,
+};

@@ -1,0 +1,255 @@
+//! Column- and row-parallel linear layers (Megatron-LM): `Y = X W^T + b` with `W` `[out, in]`
+//! split by output features (column) or by input features (row).
+
+use crate::error::{ParallelError, Result};
+use crate::tp::ops::{copy_to_tp_region, reduce_from_tp_region, TpComm};
+use crate::tp::shard::{shard_column, shard_qkv, shard_row};
+use candle_core::{Tensor, Var};
+
+/// `x W^T + b` over the last dimension of `x` `[.., in]`, computing in `x`'s dtype (the
+/// weight and bias are cast differentiably when stored in another dtype).
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (out_f, in_f) = weight.dims2()?;
+    let dims = x.dims();
+    if dims.last() != Some(&in_f) {
+        return Err(ParallelError::Param {
+            name: "linear input".into(),
+            expected: format!("[.., {in_f}]"),
+            got: format!("{dims:?}"),
+        });
+    }
+    let rows = x.elem_count() / in_f;
+    let w = weight.to_dtype(x.dtype())?;
+    let y = x.contiguous()?.reshape((rows, in_f))?.matmul(&w.t()?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(&b.to_dtype(x.dtype())?)?,
+        None => y,
+    };
+    let mut out_dims = dims.to_vec();
+    if let Some(last) = out_dims.last_mut() {
+        *last = out_f;
+    }
+    Ok(y.reshape(out_dims)?)
+}
+
+/// The column-parallel forward `f(x) W_r^T + b_r`: `x` `[.., in]` is replicated, `weight` is
+/// this rank's `[out / tp, in]` rows and `bias` its `[out / tp]`; the output `[.., out / tp]`
+/// stays split. Backward, the input gradient is summed over the group by `f`.
+pub fn column_parallel_linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    comm: &TpComm,
+) -> Result<Tensor> {
+    linear(&copy_to_tp_region(x, comm)?, weight, bias)
+}
+
+/// The row-parallel forward `g(x_r W_r^T) + b`: `x` `[.., in / tp]` is this rank's split input
+/// (for instance a column-parallel output), `weight` this rank's `[out, in / tp]` columns and
+/// `bias` the whole, replicated `[out]`, added once after the all-reduce `g`. The output
+/// `[.., out]` is replicated.
+pub fn row_parallel_linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    comm: &TpComm,
+) -> Result<Tensor> {
+    let y = reduce_from_tp_region(&linear(x, weight, None)?, comm)?;
+    Ok(match bias {
+        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
+        None => y,
+    })
+}
+
+fn check_bias(bias: Option<&Var>, out: usize, what: &str) -> Result<()> {
+    match bias {
+        Some(b) if b.dims() != [out] => Err(ParallelError::Param {
+            name: what.to_string(),
+            expected: format!("[{out}]"),
+            got: format!("{:?}", b.dims()),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn group_fmt(comm: &TpComm) -> (usize, usize) {
+    (comm.rank(), comm.world_size())
+}
+
+/// A column-parallel linear layer: this rank holds rows `rank * out / tp ..` of the weight
+/// `[out, in]` and of the bias; input replicated, output split (see
+/// [`column_parallel_linear`]). Megatron uses it for the fused QKV projection and fc1.
+#[derive(Clone)]
+pub struct ColumnParallelLinear {
+    weight: Var,
+    bias: Option<Var>,
+    comm: TpComm,
+}
+
+impl std::fmt::Debug for ColumnParallelLinear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ColumnParallelLinear")
+            .field("weight", &self.weight.dims())
+            .field("bias", &self.bias.as_ref().map(|b| b.dims().to_vec()))
+            .field("rank_of_world", &group_fmt(&self.comm))
+            .finish()
+    }
+}
+
+impl ColumnParallelLinear {
+    /// Wraps this rank's shard: weight `[out / tp, in]`, bias `[out / tp]`.
+    pub fn new(weight: Var, bias: Option<Var>, comm: TpComm) -> Result<Self> {
+        let (out, _) = weight.as_tensor().dims2()?;
+        check_bias(bias.as_ref(), out, "column-parallel bias")?;
+        Ok(Self { weight, bias, comm })
+    }
+
+    /// Takes this rank's shard of a whole layer (weight `[out, in]`, bias `[out]`) with
+    /// [`shard_column`], as new `Var`s.
+    pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, comm: TpComm) -> Result<Self> {
+        let (w, b) = shard_column(weight, bias, comm.world_size(), comm.rank())?;
+        Self::new(
+            Var::from_tensor(&w)?,
+            b.map(|b| Var::from_tensor(&b)).transpose()?,
+            comm,
+        )
+    }
+
+    /// Takes this rank's heads of a whole fused QKV projection (weight `[3d, in]`, bias
+    /// `[3d]`) with [`shard_qkv`], as new `Var`s: the output is `[q_r | k_r | v_r]` of
+    /// `n_heads / tp` heads.
+    pub fn from_full_qkv(
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        n_heads: usize,
+        comm: TpComm,
+    ) -> Result<Self> {
+        let (w, b) = shard_qkv(weight, bias, n_heads, comm.world_size(), comm.rank())?;
+        Self::new(
+            Var::from_tensor(&w)?,
+            b.map(|b| Var::from_tensor(&b)).transpose()?,
+            comm,
+        )
+    }
+
+    /// `[.., in]` (replicated) to `[.., out / tp]` (this rank's features).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        column_parallel_linear(
+            x,
+            self.weight.as_tensor(),
+            self.bias.as_ref().map(|b| b.as_tensor()),
+            &self.comm,
+        )
+    }
+
+    /// This rank's weight shard `[out / tp, in]`.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+
+    /// This rank's bias shard `[out / tp]`, if any.
+    pub fn bias(&self) -> Option<&Var> {
+        self.bias.as_ref()
+    }
+
+    /// The tensor-parallel group.
+    pub fn comm(&self) -> &TpComm {
+        &self.comm
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.weight.dims().get(1).copied().unwrap_or(0)
+    }
+
+    /// Output features this rank produces (`out / tp`).
+    pub fn local_out_features(&self) -> usize {
+        self.weight.dims().first().copied().unwrap_or(0)
+    }
+
+    /// Output features of the whole layer.
+    pub fn out_features(&self) -> usize {
+        self.local_out_features() * self.comm.world_size()
+    }
+}
+
+/// A row-parallel linear layer: this rank holds columns `rank * in / tp ..` of the weight
+/// `[out, in]`; the bias `[out]` is replicated and added after the reduction. Input split,
+/// output replicated (see [`row_parallel_linear`]). Megatron uses it for the attention output
+/// projection and fc2.
+#[derive(Clone)]
+pub struct RowParallelLinear {
+    weight: Var,
+    bias: Option<Var>,
+    comm: TpComm,
+}
+
+impl std::fmt::Debug for RowParallelLinear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowParallelLinear")
+            .field("weight", &self.weight.dims())
+            .field("bias", &self.bias.as_ref().map(|b| b.dims().to_vec()))
+            .field("rank_of_world", &group_fmt(&self.comm))
+            .finish()
+    }
+}
+
+impl RowParallelLinear {
+    /// Wraps this rank's shard: weight `[out, in / tp]`, the whole bias `[out]`.
+    pub fn new(weight: Var, bias: Option<Var>, comm: TpComm) -> Result<Self> {
+        let (out, _) = weight.as_tensor().dims2()?;
+        check_bias(bias.as_ref(), out, "row-parallel bias")?;
+        Ok(Self { weight, bias, comm })
+    }
+
+    /// Takes this rank's shard of a whole layer (weight `[out, in]`, bias `[out]`) with
+    /// [`shard_row`], as new `Var`s.
+    pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, comm: TpComm) -> Result<Self> {
+        let (w, b) = shard_row(weight, bias, comm.world_size(), comm.rank())?;
+        Self::new(
+            Var::from_tensor(&w)?,
+            b.map(|b| Var::from_tensor(&b)).transpose()?,
+            comm,
+        )
+    }
+
+    /// `[.., in / tp]` (this rank's features) to `[.., out]` (replicated).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        row_parallel_linear(
+            x,
+            self.weight.as_tensor(),
+            self.bias.as_ref().map(|b| b.as_tensor()),
+            &self.comm,
+        )
+    }
+
+    /// This rank's weight shard `[out, in / tp]`.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+
+    /// The replicated bias `[out]`, if any.
+    pub fn bias(&self) -> Option<&Var> {
+        self.bias.as_ref()
+    }
+
+    /// The tensor-parallel group.
+    pub fn comm(&self) -> &TpComm {
+        &self.comm
+    }
+
+    /// Input features this rank consumes (`in / tp`).
+    pub fn local_in_features(&self) -> usize {
+        self.weight.dims().get(1).copied().unwrap_or(0)
+    }
+
+    /// Input features of the whole layer.
+    pub fn in_features(&self) -> usize {
+        self.local_in_features() * self.comm.world_size()
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.weight.dims().first().copied().unwrap_or(0)
+    }
+}

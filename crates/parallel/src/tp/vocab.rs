@@ -1,0 +1,433 @@
+//! The vocab-parallel token embedding, its tied LM head and the vocab-parallel cross-entropy
+//! (Megatron-LM): each rank holds `vocab / tp` rows of the embedding and produces the logits
+//! of its own slice of the vocabulary; the loss is computed without gathering the logits.
+
+use crate::error::{ParallelError, Result};
+use crate::tp::linear::column_parallel_linear;
+use crate::tp::ops::{contiguous, map_float_storage, reduce_from_tp_region, TpComm};
+use crate::tp::shard::{shard_vocab, vocab_range};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor, Var, WithDType};
+use kiln_comm::{CommExt, ReduceOp};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// The ids `wte_local` covers on this rank, and the whole vocabulary.
+fn local_range(wte_local: &Tensor, comm: &TpComm) -> Result<(Range<usize>, usize)> {
+    let (rows, _) = wte_local.dims2()?;
+    let vocab = rows * comm.world_size();
+    Ok((vocab_range(vocab, comm.world_size(), comm.rank())?, vocab))
+}
+
+fn token_ids(ids: &Tensor, what: &str) -> Result<Vec<u32>> {
+    if ids.dtype() != DType::U32 {
+        return Err(ParallelError::Param {
+            name: what.to_string(),
+            expected: "u32 token ids".into(),
+            got: format!("{:?}", ids.dtype()),
+        });
+    }
+    Ok(ids.flatten_all()?.to_vec1::<u32>()?)
+}
+
+/// Looks up token `ids` (u32, any shape `[..]`) in a vocab-parallel embedding: `wte_local` is
+/// this rank's rows `[vocab / tp, d]` (ids `rank * vocab / tp ..`, see [`vocab_range`]). Ids
+/// outside this rank's range give zero rows, and the partial results are summed over the
+/// group (`g`), so every rank gets the whole `[.., d]` embedding in `wte_local`'s dtype. The
+/// gradient of `wte_local` is the matching rows of the dense gradient.
+///
+/// An id `>= vocab` is an error.
+pub fn vocab_parallel_embedding(ids: &Tensor, wte_local: &Tensor, comm: &TpComm) -> Result<Tensor> {
+    let (range, vocab) = local_range(wte_local, comm)?;
+    let (_, d) = wte_local.dims2()?;
+    let flat = token_ids(ids, "embedding ids")?;
+    if let Some((index, &id)) = flat
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= vocab)
+    {
+        return Err(ParallelError::Param {
+            name: "embedding ids".into(),
+            expected: format!("ids below the vocabulary size {vocab}"),
+            got: format!("{id} at position {index}"),
+        });
+    }
+    let n = flat.len();
+    let dev = wte_local.device();
+    let all_local = flat.iter().all(|&id| range.contains(&(id as usize)));
+    let local: Vec<u32> = flat
+        .iter()
+        .map(|&id| {
+            if range.contains(&(id as usize)) {
+                id - range.start as u32
+            } else {
+                0
+            }
+        })
+        .collect();
+    let rows = wte_local.index_select(&Tensor::from_vec(local, n, dev)?, 0)?;
+    let rows = if all_local {
+        rows
+    } else {
+        let mask: Vec<f32> = flat
+            .iter()
+            .map(|&id| f32::from(u8::from(range.contains(&(id as usize)))))
+            .collect();
+        let mask = Tensor::from_vec(mask, (n, 1), dev)?.to_dtype(wte_local.dtype())?;
+        rows.broadcast_mul(&mask)?
+    };
+    let mut dims = ids.dims().to_vec();
+    dims.push(d);
+    Ok(reduce_from_tp_region(&rows, comm)?.reshape(dims)?)
+}
+
+/// The LM head tied to a vocab-parallel embedding: `f(x) wte_local^T`, hidden states
+/// `[.., d]` (replicated) to this rank's logits `[.., vocab / tp]`, computing in `x`'s dtype.
+/// Feed them to [`vocab_parallel_cross_entropy`]; the input gradient is summed over the group.
+pub fn vocab_parallel_logits(x: &Tensor, wte_local: &Tensor, comm: &TpComm) -> Result<Tensor> {
+    column_parallel_linear(x, wte_local, None, comm)
+}
+
+/// Runs `$body` with `$x` bound to the contiguous typed slice of a float tensor's CPU storage.
+macro_rules! with_float_slice {
+    ($cpu:expr, $layout:expr, $op:expr, |$x:ident| $body:expr) => {
+        match $cpu {
+            CpuStorage::F32(v) => {
+                let $x = contiguous(v, $layout, $op)?;
+                $body
+            }
+            CpuStorage::F64(v) => {
+                let $x = contiguous(v, $layout, $op)?;
+                $body
+            }
+            CpuStorage::F16(v) => {
+                let $x = contiguous(v, $layout, $op)?;
+                $body
+            }
+            CpuStorage::BF16(v) => {
+                let $x = contiguous(v, $layout, $op)?;
+                $body
+            }
+            other => {
+                return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), $op).into())
+            }
+        }
+    };
+}
+
+const CE_OP: &str = "vocab_parallel_cross_entropy";
+
+/// Per-row maximum of `[n, v]` rows.
+fn row_max<T: WithDType>(x: &[T], v: usize) -> Vec<f64> {
+    x.chunks_exact(v)
+        .map(|row| {
+            row.iter()
+                .fold(f64::NEG_INFINITY, |m, &e| m.max(e.to_f64()))
+        })
+        .collect()
+}
+
+/// `[sum_j exp(x_j - max) for each row, then the target logit of each row (0 where the
+/// target is ignored or held by another rank)]`.
+fn row_sums<T: WithDType>(x: &[T], v: usize, max: &[f64], t: &CeTargets) -> Vec<f64> {
+    let n = max.len();
+    let mut out = vec![0f64; 2 * n];
+    for (r, (row, &m)) in x.chunks_exact(v).zip(max).enumerate() {
+        out[r] = row.iter().map(|&e| (e.to_f64() - m).exp()).sum();
+        if let Some(j) = t.local(r) {
+            out[n + r] = row[j].to_f64();
+        }
+    }
+    out
+}
+
+/// The row maxima and `[sum of exp(logit - max) per row | target logit per row]` of the
+/// whole logits, reduced over the group.
+fn reduced_row_stats(
+    logits: &Tensor,
+    v: usize,
+    targets: &CeTargets,
+    comm: &TpComm,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (storage, layout) = logits.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(ParallelError::Param {
+            name: "vocab-parallel logits".into(),
+            expected: "a tensor on the cpu".into(),
+            got: format!("{:?}", logits.device().location()),
+        });
+    };
+    let world = comm.world_size();
+    let mut max = with_float_slice!(cpu, layout, CE_OP, |x| row_max(x, v));
+    if world > 1 {
+        comm.all_reduce(&mut max, ReduceOp::Max)?;
+    }
+    let mut sums = with_float_slice!(cpu, layout, CE_OP, |x| row_sums(x, v, &max, targets));
+    if world > 1 {
+        comm.all_reduce(&mut sums, ReduceOp::Sum)?;
+    }
+    Ok((max, sums))
+}
+
+/// The targets of the rows and this rank's slice of the vocabulary.
+struct CeTargets {
+    targets: Vec<u32>,
+    ignore_index: Option<u32>,
+    start: usize,
+    len: usize,
+}
+
+impl CeTargets {
+    fn counted(&self, r: usize) -> bool {
+        Some(self.targets[r]) != self.ignore_index
+    }
+
+    /// The local column of row `r`'s target, when it counts and this rank holds it.
+    fn local(&self, r: usize) -> Option<usize> {
+        let t = self.targets[r] as usize;
+        (self.counted(r) && (self.start..self.start + self.len).contains(&t))
+            .then(|| t - self.start)
+    }
+}
+
+/// What the forward reduced over the group and the backward reuses (no communication there).
+struct CeStats {
+    targets: CeTargets,
+    /// Log-sum-exp of each whole row.
+    lse: Vec<f64>,
+    /// The target logit of each row.
+    target_logit: Vec<f64>,
+    /// Rows whose target counts.
+    count: usize,
+}
+
+/// Mean cross-entropy of vocab-parallel `logits_local` `[n, vocab / tp]` (this rank's columns
+/// `rank * vocab / tp ..` of the whole `[n, vocab]` logits, as produced by
+/// [`vocab_parallel_logits`]) against `targets` `[n]` (u32 ids in the whole vocabulary),
+/// averaged over the targets not equal to `ignore_index`, without gathering the logits.
+///
+/// Forward, three reductions over the group: the row maxima (max), then in one buffer the
+/// sums of `exp(logit - max)` and the target logits (sum, each rank contributing the targets
+/// it holds). The result is a scalar on every rank, f64 for f64 logits and f32 otherwise.
+/// Backward, with no communication: `(softmax_local - onehot_local) / count` times the
+/// incoming gradient, zero rows for ignored targets. When every target is ignored the loss
+/// and the gradient are 0. Rows are reduced in f64.
+pub fn vocab_parallel_cross_entropy(
+    logits_local: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+    comm: &TpComm,
+) -> Result<Tensor> {
+    let (n, v) = match logits_local.dims() {
+        &[n, v] if v > 0 => (n, v),
+        dims => {
+            return Err(ParallelError::Param {
+                name: "vocab-parallel logits".into(),
+                expected: "[n, vocab / tp] with vocab > 0".into(),
+                got: format!("{dims:?}"),
+            })
+        }
+    };
+    if targets.dims() != [n] {
+        return Err(ParallelError::Param {
+            name: "cross-entropy targets".into(),
+            expected: format!("[{n}]"),
+            got: format!("{:?}", targets.dims()),
+        });
+    }
+    let t = token_ids(targets, "cross-entropy targets")?;
+    let (world, rank) = (comm.world_size(), comm.rank());
+    let vocab = v * world;
+    if let Some((index, &id)) = t
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| Some(id) != ignore_index && id as usize >= vocab)
+    {
+        return Err(ParallelError::Param {
+            name: "cross-entropy targets".into(),
+            expected: format!("ids below the vocabulary size {vocab} or the ignore index"),
+            got: format!("{id} at position {index}"),
+        });
+    }
+    let targets = CeTargets {
+        targets: t,
+        ignore_index,
+        start: rank * v,
+        len: v,
+    };
+    let count = (0..n).filter(|&r| targets.counted(r)).count();
+    let logits = logits_local.contiguous()?;
+    let (max, sums) = reduced_row_stats(&logits, v, &targets, comm)?;
+    let lse = max.iter().zip(&sums).map(|(&m, &s)| m + s.ln()).collect();
+    let target_logit = sums.get(n..).map(<[f64]>::to_vec).unwrap_or_default();
+    let stats = Arc::new(CeStats {
+        targets,
+        lse,
+        target_logit,
+        count,
+    });
+    Ok(logits.apply_op1(VocabCrossEntropy { stats })?)
+}
+
+/// `logits_local -> mean loss` from the reduced statistics.
+struct VocabCrossEntropy {
+    stats: Arc<CeStats>,
+}
+
+impl CustomOp1 for VocabCrossEntropy {
+    fn name(&self) -> &'static str {
+        "kiln-tp-vocab-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let st = &self.stats;
+        let loss = if st.count == 0 {
+            0.0
+        } else {
+            let total: f64 = (0..st.lse.len())
+                .filter(|&r| st.targets.counted(r))
+                .map(|r| st.lse[r] - st.target_logit[r])
+                .sum();
+            total / st.count as f64
+        };
+        let out = match s {
+            CpuStorage::F64(_) => CpuStorage::F64(vec![loss]),
+            _ => CpuStorage::F32(vec![loss as f32]),
+        };
+        Ok((out, Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        _loss: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let scale = if self.stats.count == 0 {
+            0.0
+        } else {
+            g / self.stats.count as f64
+        };
+        let dx = logits
+            .contiguous()?
+            .apply_op1_no_bwd(&VocabCrossEntropyBwd {
+                stats: self.stats.clone(),
+                scale,
+            })?;
+        Ok(Some(dx))
+    }
+}
+
+/// `logits_local -> scale * (softmax_local - onehot_local)`, zero rows for ignored targets.
+struct VocabCrossEntropyBwd {
+    stats: Arc<CeStats>,
+    scale: f64,
+}
+
+fn ce_grad<T: WithDType>(x: &[T], v: usize, st: &CeStats, scale: f64) -> Vec<T> {
+    let mut out = vec![T::zero(); x.len()];
+    for (r, (row, dr)) in x.chunks_exact(v).zip(out.chunks_exact_mut(v)).enumerate() {
+        if !st.targets.counted(r) {
+            continue;
+        }
+        let lse = st.lse[r];
+        for (o, &e) in dr.iter_mut().zip(row) {
+            *o = T::from_f64((e.to_f64() - lse).exp() * scale);
+        }
+        if let Some(j) = st.targets.local(r) {
+            dr[j] = T::from_f64(((row[j].to_f64() - lse).exp() - 1.0) * scale);
+        }
+    }
+    out
+}
+
+impl CustomOp1 for VocabCrossEntropyBwd {
+    fn name(&self) -> &'static str {
+        "kiln-tp-vocab-cross-entropy-bwd"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let v = self.stats.targets.len;
+        if l.shape().elem_count() != v * self.stats.lse.len() {
+            return Err(candle_core::Error::msg(format!(
+                "{op}: logits {:?} do not match the forward's {} rows of {v}",
+                l.dims(),
+                self.stats.lse.len()
+            )));
+        }
+        let out = map_float_storage!(s, op, |x| ce_grad(
+            contiguous(x, l, op)?,
+            v,
+            &self.stats,
+            self.scale
+        ));
+        Ok((out, l.shape().clone()))
+    }
+}
+
+/// A vocab-parallel token embedding whose transpose is also the LM head (tied weights): this
+/// rank holds rows [`VocabParallelEmbedding::vocab_range`] of `wte` `[vocab, d]`.
+#[derive(Clone)]
+pub struct VocabParallelEmbedding {
+    weight: Var,
+    comm: TpComm,
+}
+
+impl std::fmt::Debug for VocabParallelEmbedding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VocabParallelEmbedding")
+            .field("weight", &self.weight.dims())
+            .field("rank_of_world", &(self.comm.rank(), self.comm.world_size()))
+            .finish()
+    }
+}
+
+impl VocabParallelEmbedding {
+    /// Wraps this rank's rows `[vocab / tp, d]`.
+    pub fn new(weight: Var, comm: TpComm) -> Result<Self> {
+        local_range(weight.as_tensor(), &comm)?;
+        Ok(Self { weight, comm })
+    }
+
+    /// Takes this rank's rows of the whole embedding `[vocab, d]` with [`shard_vocab`], as a
+    /// new `Var`.
+    pub fn from_full(wte: &Tensor, comm: TpComm) -> Result<Self> {
+        let w = shard_vocab(wte, comm.world_size(), comm.rank())?;
+        Self::new(Var::from_tensor(&w)?, comm)
+    }
+
+    /// Token ids `[..]` (u32) to embeddings `[.., d]`, replicated (see
+    /// [`vocab_parallel_embedding`]).
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        vocab_parallel_embedding(ids, self.weight.as_tensor(), &self.comm)
+    }
+
+    /// The tied LM head: hidden states `[.., d]` to this rank's logits `[.., vocab / tp]`
+    /// (see [`vocab_parallel_logits`]).
+    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
+        vocab_parallel_logits(x, self.weight.as_tensor(), &self.comm)
+    }
+
+    /// This rank's rows `[vocab / tp, d]`.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+
+    /// The tensor-parallel group.
+    pub fn comm(&self) -> &TpComm {
+        &self.comm
+    }
+
+    /// The whole vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.weight.dims().first().copied().unwrap_or(0) * self.comm.world_size()
+    }
+
+    /// The ids this rank holds.
+    pub fn vocab_range(&self) -> Range<usize> {
+        let n = self.weight.dims().first().copied().unwrap_or(0);
+        self.comm.rank() * n..(self.comm.rank() + 1) * n
+    }
+}
