@@ -82,18 +82,15 @@ pub struct Constant {
 
 impl Constant {
     /// `lr` at every step.
-    pub fn new(lr: f32) -> Result<Self> {
+    pub fn new(lr: f64) -> Result<Self> {
         Self::with_warmup(lr, Warmup::NONE)
     }
 
     /// `lr` after `warmup`.
-    pub fn with_warmup(lr: f32, warmup: Warmup) -> Result<Self> {
-        check_lr("lr", lr as f64)?;
+    pub fn with_warmup(lr: f64, warmup: Warmup) -> Result<Self> {
+        check_lr("lr", lr)?;
         warmup.validate()?;
-        Ok(Constant {
-            lr: lr as f64,
-            warmup,
-        })
+        Ok(Constant { lr, warmup })
     }
 }
 
@@ -120,7 +117,8 @@ pub enum Decay {
 /// - cosine: `floor + (peak - floor) * (1 + cos(pi * x)) / 2`;
 /// - linear: `peak + (floor - peak) * x`.
 ///
-/// Computed in f64, rounded once to f32.
+/// Learning rates are given as f64 (like PyTorch's Python floats) and every value is computed
+/// in f64 and rounded once to f32.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct WarmupDecay {
     peak: f64,
@@ -134,17 +132,17 @@ impl WarmupDecay {
     /// Validates `0 <= floor <= peak`, `warmup.steps <= total_steps`, a start factor in [0, 1].
     pub fn new(
         decay: Decay,
-        peak: f32,
-        floor: f32,
+        peak: f64,
+        floor: f64,
         warmup: Warmup,
         total_steps: u64,
     ) -> Result<Self> {
-        check_lr("peak lr", peak as f64)?;
-        check_lr("floor lr", floor as f64)?;
+        check_lr("peak lr", peak)?;
+        check_lr("floor lr", floor)?;
         if floor > peak {
             return Err(OptimError::InvalidHyperparameter {
                 name: "floor lr",
-                value: floor as f64,
+                value: floor,
                 reason: "must not exceed the peak lr",
             });
         }
@@ -157,8 +155,8 @@ impl WarmupDecay {
         }
         warmup.validate()?;
         Ok(WarmupDecay {
-            peak: peak as f64,
-            floor: floor as f64,
+            peak,
+            floor,
             warmup,
             total_steps,
             decay,
@@ -166,7 +164,7 @@ impl WarmupDecay {
     }
 
     /// Linear warmup from 0 over `warmup_steps`, then cosine decay to `floor` at `total_steps`.
-    pub fn cosine(peak: f32, floor: f32, warmup_steps: u64, total_steps: u64) -> Result<Self> {
+    pub fn cosine(peak: f64, floor: f64, warmup_steps: u64, total_steps: u64) -> Result<Self> {
         Self::new(
             Decay::Cosine,
             peak,
@@ -177,7 +175,7 @@ impl WarmupDecay {
     }
 
     /// Linear warmup from 0 over `warmup_steps`, then linear decay to `floor` at `total_steps`.
-    pub fn linear(peak: f32, floor: f32, warmup_steps: u64, total_steps: u64) -> Result<Self> {
+    pub fn linear(peak: f64, floor: f64, warmup_steps: u64, total_steps: u64) -> Result<Self> {
         Self::new(
             Decay::Linear,
             peak,
@@ -203,7 +201,9 @@ impl LrSchedule for WarmupDecay {
         } else {
             let x = (step - w) as f64 / (self.total_steps - w) as f64;
             match self.decay {
-                Decay::Cosine => self.floor + (self.peak - self.floor) * 0.5 * (1.0 + (PI * x).cos()),
+                Decay::Cosine => {
+                    self.floor + (self.peak - self.floor) * 0.5 * (1.0 + (PI * x).cos())
+                }
                 Decay::Linear => self.peak + (self.floor - self.peak) * x,
             }
         };
