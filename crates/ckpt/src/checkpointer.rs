@@ -9,6 +9,7 @@ use crate::load::{
 };
 use crate::manifest::Manifest;
 use crate::policy::{Retention, SavePolicy};
+use crate::reshard::{load_resharded_local, ReshardRequest};
 use crate::save::{
     committed_steps, parse_step_dir, write_checkpoint, SaveCtx, SaveReport, LATEST_FILE,
 };
@@ -321,6 +322,53 @@ impl Checkpointer {
     pub fn load_latest(&self, comm: &dyn Communicator) -> Result<Latest<Loaded>> {
         let (rank, world) = (comm.rank(), comm.world_size());
         latest_agreed(&*self.storage, comm, |s| self.load_local(rank, world, s))
+    }
+
+    fn load_resharded_at(&self, world: usize, step: u64, req: &ReshardRequest) -> Result<Loaded> {
+        req.layout.validate()?;
+        if world != req.layout.world() {
+            return Err(CkptError::WorldMismatch {
+                layout: req.layout,
+                expected: req.layout.world(),
+                got: world,
+            });
+        }
+        let manifest = read_manifest(&*self.storage, step)?;
+        self.check_manifest(&manifest, world, false)?;
+        let state = load_resharded_local(&*self.storage, &manifest, step, req)?;
+        Ok(Loaded {
+            step,
+            manifest,
+            state,
+        })
+    }
+
+    /// Loads checkpoint `step`, saved with any layout, into this rank's slices as `req`
+    /// asks (collective: any rank's failure fails every rank). Each requested slice is
+    /// assembled from every saved shard that overlaps it, flat (ZeRO) and dim-sliced (tensor
+    /// parallel) alike, after verifying the sha256 of every file it reads.
+    pub fn load_resharded(
+        &self,
+        comm: &dyn Communicator,
+        step: u64,
+        req: &ReshardRequest,
+    ) -> Result<Loaded> {
+        agree_step(comm, step)?;
+        let world = comm.world_size();
+        load_agreed(comm, step, |s| self.load_resharded_at(world, s, req))
+    }
+
+    /// [`Checkpointer::load_resharded`] of the newest checkpoint every rank can use, falling
+    /// back past damaged ones as [`Checkpointer::load_latest`] does.
+    pub fn load_latest_resharded(
+        &self,
+        comm: &dyn Communicator,
+        req: &ReshardRequest,
+    ) -> Result<Latest<Loaded>> {
+        let world = comm.world_size();
+        latest_agreed(&*self.storage, comm, |s| {
+            self.load_resharded_at(world, s, req)
+        })
     }
 }
 

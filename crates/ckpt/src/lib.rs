@@ -50,6 +50,7 @@ mod load;
 mod manifest;
 mod policy;
 mod rankfile;
+mod reshard;
 mod save;
 mod shard;
 mod state;
@@ -63,6 +64,7 @@ pub use load::{Latest, Loaded, RankProblem, Skipped};
 pub use manifest::{rank_file_name, FileEntry, Manifest, TensorEntry, MANIFEST_FORMAT};
 pub use policy::{Retention, SavePolicy};
 pub use rankfile::{decode_rank_file, encode_rank_file, FORMAT_VERSION};
+pub use reshard::{GlobalTensor, ReshardRequest, Want};
 pub use save::{step_dir, tmp_dir, SaveReport, LATEST_FILE, MANIFEST_FILE, MANIFEST_SHA_FILE};
 pub use shard::{FlatShard, Shard, ShardSpec};
 pub use state::{

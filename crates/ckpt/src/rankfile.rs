@@ -8,7 +8,7 @@
 //! `safetensors::SafeTensors::read_metadata`, which validates offsets and sizes.
 
 use crate::error::{CkptError, Result};
-use crate::state::{check_part_name, RankState, StateDict};
+use crate::state::{check_part_name, check_tensor_name, RankState, StateDict};
 use crate::tensor::{DType, TensorData};
 use safetensors::tensor::TensorInfo;
 use serde::ser::{SerializeMap, Serializer};
@@ -144,8 +144,25 @@ pub fn decode_rank_file(bytes: &[u8]) -> Result<RankState> {
     decode(bytes, "<bytes>")
 }
 
-/// [`decode_rank_file`] naming `path` in errors.
-pub(crate) fn decode(bytes: &[u8], path: &str) -> Result<RankState> {
+/// One tensor located in a rank file's bytes.
+#[derive(Debug, Clone)]
+pub(crate) struct IndexedTensor {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    /// Absolute byte range in the file.
+    pub range: std::ops::Range<usize>,
+}
+
+/// A parsed rank file header: every part's metadata and where each tensor's bytes are.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct FileIndex {
+    pub meta: BTreeMap<String, BTreeMap<String, Value>>,
+    /// By full name `<part>/<name>`.
+    pub tensors: BTreeMap<String, IndexedTensor>,
+}
+
+/// Parses and validates a rank file's header against the file's length.
+pub(crate) fn index(bytes: &[u8], path: &str) -> Result<FileIndex> {
     let format = |reason: String| CkptError::Format {
         path: path.to_string(),
         reason,
@@ -155,11 +172,7 @@ pub(crate) fn decode(bytes: &[u8], path: &str) -> Result<RankState> {
     let data_start = n
         .checked_add(8)
         .ok_or_else(|| format("header length overflows".to_string()))?;
-    let data = bytes
-        .get(data_start..)
-        .ok_or_else(|| format("header runs past the end of the file".to_string()))?;
-
-    let mut parts: BTreeMap<String, StateDict> = BTreeMap::new();
+    let mut out = FileIndex::default();
     if let Some(meta) = metadata.metadata() {
         if let Some(v) = meta.get(FORMAT_KEY) {
             let found: u64 = v
@@ -181,9 +194,7 @@ pub(crate) fn decode(bytes: &[u8], path: &str) -> Result<RankState> {
             check_part_name(key).map_err(|e| format(e.to_string()))?;
             let map: BTreeMap<String, Value> = serde_json::from_str(json)
                 .map_err(|e| format(format!("metadata of part {key}: {e}")))?;
-            let mut sd = StateDict::new();
-            *sd.meta_map_mut() = map;
-            parts.insert(key.clone(), sd);
+            out.meta.insert(key.clone(), map);
         }
     }
     for (full, info) in metadata.tensors() {
@@ -193,6 +204,7 @@ pub(crate) fn decode(bytes: &[u8], path: &str) -> Result<RankState> {
             )));
         };
         check_part_name(part).map_err(|e| format(e.to_string()))?;
+        check_tensor_name(name).map_err(|e| format(e.to_string()))?;
         let dtype = DType::from_safetensors(info.dtype).ok_or_else(|| {
             format(format!(
                 "tensor {full}: dtype {} is not supported",
@@ -200,15 +212,48 @@ pub(crate) fn decode(bytes: &[u8], path: &str) -> Result<RankState> {
             ))
         })?;
         let (s, e) = info.data_offsets;
-        let bytes = data
-            .get(s..e)
+        let range = data_start
+            .checked_add(s)
+            .zip(data_start.checked_add(e))
+            .filter(|&(a, b)| a <= b && b <= bytes.len())
+            .map(|(a, b)| a..b)
             .ok_or_else(|| format(format!("tensor {full}: offsets {s}..{e} out of range")))?;
-        let t = TensorData::new(dtype, info.shape.clone(), bytes.to_vec())
+        out.tensors.insert(
+            full.clone(),
+            IndexedTensor {
+                dtype,
+                shape: info.shape.clone(),
+                range,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// [`decode_rank_file`] naming `path` in errors.
+pub(crate) fn decode(bytes: &[u8], path: &str) -> Result<RankState> {
+    let idx = index(bytes, path)?;
+    let format = |reason: String| CkptError::Format {
+        path: path.to_string(),
+        reason,
+    };
+    let mut parts: BTreeMap<String, StateDict> = BTreeMap::new();
+    for (part, map) in idx.meta {
+        let mut sd = StateDict::new();
+        *sd.meta_map_mut() = map;
+        parts.insert(part, sd);
+    }
+    for (full, t) in idx.tensors {
+        let Some((part, name)) = full.split_once('/') else {
+            continue;
+        };
+        let data = bytes.get(t.range.clone()).unwrap_or_default();
+        let td = TensorData::new(t.dtype, t.shape, data.to_vec())
             .map_err(|e| format(e.named(&full).to_string()))?;
         parts
             .entry(part.to_string())
             .or_default()
-            .insert(name, t)
+            .insert(name, td)
             .map_err(|e| format(e.to_string()))?;
     }
     let mut state = RankState::new();

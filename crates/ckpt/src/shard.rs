@@ -191,7 +191,6 @@ impl Shard {
     /// The element runs of the row-major flattened global tensor this shard covers, as
     /// `(global start, length)` in increasing order, adjacent runs merged. The shard must be
     /// valid ([`Shard::validate`]).
-    #[allow(dead_code)] // used by resharding
     pub(crate) fn runs(&self) -> Vec<(usize, usize)> {
         match self {
             Shard::Flat(s) => {
@@ -214,7 +213,6 @@ impl Shard {
 
 /// Runs of a dim-slice: `outer` blocks of `size * inner` elements, each contributing
 /// `len * inner` elements at offset `start * inner`.
-#[allow(dead_code)] // used by resharding
 pub(crate) fn dim_runs(
     outer: usize,
     size: usize,
