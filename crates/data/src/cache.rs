@@ -20,9 +20,12 @@ pub struct ChunkCacheStats {
     pub resident: usize,
 }
 
+/// (shard id, chunk index) -> (decoded tokens, last-use tick)
+type ChunkMap = HashMap<(u64, u64), (Arc<[u32]>, u64)>;
+
 #[derive(Debug, Default)]
 struct Lru {
-    map: HashMap<(u64, u64), (Arc<[u32]>, u64)>,
+    map: ChunkMap,
     tick: u64,
 }
 

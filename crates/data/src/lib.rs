@@ -2,19 +2,24 @@
 #![deny(missing_docs)]
 
 mod cache;
+mod drift;
 mod error;
 mod fsutil;
 mod mixture;
+mod ngram;
 mod rng;
 mod sample;
 mod sampler;
 mod shard;
 mod source;
 mod tokenizer;
+mod transform;
 
 pub use cache::{ChunkCache, ChunkCacheStats};
+pub use drift::{kl_divergence, DriftMonitor, DriftReport};
 pub use error::{DataError, Result};
 pub use mixture::{Mixture, WeightChange};
+pub use ngram::{NgramLm, PerplexityFilter};
 pub use rng::{splitmix64, stream_key, stream_rng, Permutation, Purpose, SampleRng};
 pub use sample::{SampleId, SkipSet};
 pub use sampler::{
@@ -26,3 +31,6 @@ pub use shard::{
 };
 pub use source::TokenSource;
 pub use tokenizer::{sample_text, Tokenizer, EOT_TOKEN};
+pub use transform::{
+    apply_transforms, transform_rng, SampleView, SpanMask, TokenDropout, Transform,
+};
