@@ -62,6 +62,12 @@ pub trait LinearLayer: Send + Sync + std::fmt::Debug {
     /// Applies the layer to `x` of shape `[.., in]`, computing in `x`'s dtype (the layer casts
     /// its weights, differentiably, when they are stored in another dtype).
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    /// `gelu(self.forward(x))`, the MLP's first layer and activation; implementations may
+    /// fuse the bias add into the activation ([`DenseLinear`] does, with
+    /// [`ops::bias_gelu`](crate::ops::bias_gelu)).
+    fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        crate::ops::gelu(&self.forward(x)?)
+    }
     /// This layer's trainable parameters with their full names, in a fixed order.
     fn parameters(&self) -> Vec<(String, Var)>;
     /// Output features this layer produces locally (a column-parallel shard produces fewer
@@ -176,6 +182,16 @@ impl LinearLayer for DenseLinear {
             self.weight.as_tensor(),
             self.bias.as_ref().map(|b| b.as_tensor()),
         )
+    }
+
+    fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.bias {
+            Some(b) => {
+                let y = linear_forward(x, self.weight.as_tensor(), None)?;
+                crate::ops::bias_gelu(&y, &b.as_tensor().to_dtype(y.dtype())?)
+            }
+            None => crate::ops::gelu(&self.forward(x)?),
+        }
     }
 
     fn parameters(&self) -> Vec<(String, Var)> {

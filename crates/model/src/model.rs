@@ -184,7 +184,7 @@ impl Block {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
-        let h = ops::gelu(&self.c_fc.forward(&self.ln_2.forward(&x)?)?)?;
+        let h = self.c_fc.forward_gelu(&self.ln_2.forward(&x)?)?;
         Ok((&x + self.mlp_proj.forward(&h)?)?)
     }
 

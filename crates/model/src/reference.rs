@@ -47,6 +47,11 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     Ok(((x * 0.5)? * (inner.tanh()? + 1.0)?)?)
 }
 
+/// GELU of `x + bias`, the bias broadcast over the last dimension.
+pub fn bias_gelu(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    gelu(&x.broadcast_add(bias)?)
+}
+
 /// Mean cross-entropy of `logits` `[n, vocab]` against u32 `targets` `[n]`, skipping
 /// `ignore_index`; the loss keeps the logits' dtype.
 pub fn cross_entropy(

@@ -281,8 +281,35 @@ fn gelu_multithreaded_matches_composite() {
     check_against_composite(&gelu_fused, &gelu_composite, &inputs, DType::F32);
 }
 
-/// Targets for `n` rows over `v` classes, with id `v - 1`... replaced by the ignore index 99
-/// at every third row.
+fn bias_gelu_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(ops::bias_gelu(&x[0], &x[1])?)
+}
+fn bias_gelu_composite(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(reference::bias_gelu(&x[0], &x[1])?)
+}
+
+#[test]
+fn bias_gelu_gradients() {
+    check_all(
+        &bias_gelu_fused,
+        &bias_gelu_composite,
+        vec![
+            input("bg.x", &[2, 3, 5], 3.0, 0.0, true),
+            input("bg.b", &[5], 1.0, 0.0, true),
+        ],
+    );
+}
+
+#[test]
+fn bias_gelu_multithreaded_matches_composite() {
+    let inputs = vec![
+        input("bg.big.x", &[700, 384], 4.0, 0.0, true),
+        input("bg.big.b", &[384], 1.0, 0.0, true),
+    ];
+    check_against_composite(&bias_gelu_fused, &bias_gelu_composite, &inputs, DType::F32);
+}
+
+/// Targets for `n` rows over `v` classes, with the ignore index 99 at every third row.
 fn targets(n: usize, v: usize) -> Tensor {
     let t: Vec<u32> = (0..n)
         .map(|i| {

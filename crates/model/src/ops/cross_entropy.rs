@@ -124,24 +124,28 @@ fn count_targets(t: &[u32], vocab: usize, ignore: Option<u32>) -> candle_core::R
     Ok(count)
 }
 
-/// Max and log-sum-exp of one row.
+/// Log-sum-exp of one row; leaves `exp(x - max)` in `e` and returns `(lse, sum of e)`.
 #[inline]
-fn row_lse<T: Elem>(row: &[T]) -> (T::F, T::F) {
+fn row_lse<T: Elem>(row: &[T], e: &mut [T::F]) -> (T::F, T::F) {
     let mut max = <T::F as Float>::NEG_INFINITY;
     for &v in row {
         max = max.max(v.load());
     }
-    let mut sum = <T::F as Float>::ZERO;
-    for &v in row {
-        sum += (v.load() - max).exp();
+    for (ej, &v) in e.iter_mut().zip(row) {
+        *ej = (v.load() - max).fast_exp();
     }
-    (max, max + sum.ln())
+    let mut sum = <T::F as Float>::ZERO;
+    for &ej in e.iter() {
+        sum += ej;
+    }
+    (max + sum.ln(), sum)
 }
 
 fn ce_fwd<T: Elem>(x: &[T], t: &[u32], v: usize, ignore: Option<u32>) -> candle_core::Result<f64> {
     let count = count_targets(t, v, ignore)?;
     let mut per_row = vec![0f64; t.len()];
     par_rows(&mut per_row, 1, 2 * v, |row0, out| {
+        let mut e = vec![<T::F as Float>::ZERO; v];
         for (r, o) in out.iter_mut().enumerate() {
             let row = row0 + r;
             let target = t[row];
@@ -149,7 +153,7 @@ fn ce_fwd<T: Elem>(x: &[T], t: &[u32], v: usize, ignore: Option<u32>) -> candle_
                 continue;
             }
             let xr = &x[row * v..(row + 1) * v];
-            let (_, lse) = row_lse(xr);
+            let (lse, _) = row_lse(xr, &mut e);
             *o = (lse - xr[target as usize].load()).to_f64();
         }
     })?;
@@ -232,6 +236,7 @@ fn ce_bwd<T: Elem>(
     }
     let scale = <T::F as Float>::from_f64(grad / count as f64);
     par_rows(&mut dx, v, 3 * v, |row0, out| {
+        let mut e = vec![<T::F as Float>::ZERO; v];
         for (r, dr) in out.chunks_mut(v).enumerate() {
             let row = row0 + r;
             let target = t[row];
@@ -239,12 +244,13 @@ fn ce_bwd<T: Elem>(
                 continue;
             }
             let xr = &x[row * v..(row + 1) * v];
-            let (_, lse) = row_lse(xr);
-            for (o, &xv) in dr.iter_mut().zip(xr) {
-                *o = T::store((xv.load() - lse).exp() * scale);
+            let (_, sum) = row_lse(xr, &mut e);
+            let k = scale / sum;
+            for (o, &ej) in dr.iter_mut().zip(&e) {
+                *o = T::store(ej * k);
             }
             let ti = target as usize;
-            dr[ti] = T::store(((xr[ti].load() - lse).exp() - <T::F as Float>::ONE) * scale);
+            dr[ti] = T::store((e[ti] / sum - <T::F as Float>::ONE) * scale);
         }
     })?;
     Ok(dx)

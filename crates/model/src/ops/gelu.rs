@@ -5,7 +5,7 @@ use crate::kernel::{
     contiguous, is_float, output_vec, par_rows, same_type, with_float_storage, Elem, Float,
     FLOAT_DTYPES,
 };
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const COEF: f64 = 0.044_715;
@@ -42,7 +42,7 @@ fn gelu_val<F: Float>(x: F) -> F {
     let c = F::from_f64(SQRT_2_OVER_PI);
     let a = F::from_f64(COEF);
     let half = F::from_f64(0.5);
-    half * x * (F::ONE + (c * (x + a * x * x * x)).tanh())
+    half * x * (F::ONE + (c * (x + a * x * x * x)).fast_tanh())
 }
 
 #[inline(always)]
@@ -51,27 +51,26 @@ fn gelu_grad<F: Float>(x: F) -> F {
     let a = F::from_f64(COEF);
     let half = F::from_f64(0.5);
     let x2 = x * x;
-    let t = (c * (x + a * x2 * x)).tanh();
+    let t = (c * (x + a * x2 * x)).fast_tanh();
     half * (F::ONE + t) + half * x * (F::ONE - t * t) * c * (F::ONE + F::from_f64(3.0) * a * x2)
 }
 
-/// Applies `f` element-wise over `x` into a new vector, in parallel row blocks.
-fn map<T: Elem>(x: &[T], f: impl Fn(usize, T) -> T + Sync) -> candle_core::Result<Vec<T>> {
-    let mut y = output_vec::<T>(x.len());
-    let n = x.len();
-    // whole rows of ROW elements, then the tail on this thread
-    let full = n / ROW * ROW;
-    let (head, tail) = y.split_at_mut(full);
-    par_rows(head, ROW, 8 * ROW, |row0, out| {
+/// `out[i] = f(x[i], y[i])` over whole rows of `ROW` elements in parallel, the tail inline.
+fn map2<T: Elem>(x: &[T], y: &[T], f: impl Fn(T, T) -> T + Sync) -> candle_core::Result<Vec<T>> {
+    let mut out = output_vec::<T>(x.len());
+    let full = x.len() / ROW * ROW;
+    let (head, tail) = out.split_at_mut(full);
+    par_rows(head, ROW, 8 * ROW, |row0, chunk| {
         let off = row0 * ROW;
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = f(off + i, x[off + i]);
+        let (xs, ys) = (&x[off..off + chunk.len()], &y[off..off + chunk.len()]);
+        for ((o, &a), &b) in chunk.iter_mut().zip(xs).zip(ys) {
+            *o = f(a, b);
         }
     })?;
-    for (i, o) in tail.iter_mut().enumerate() {
-        *o = f(full + i, x[full + i]);
+    for ((o, &a), &b) in tail.iter_mut().zip(&x[full..]).zip(&y[full..]) {
+        *o = f(a, b);
     }
-    Ok(y)
+    Ok(out)
 }
 
 impl CustomOp1 for Gelu {
@@ -83,7 +82,7 @@ impl CustomOp1 for Gelu {
         let op = self.name();
         with_float_storage!(s, op, |xs| {
             let x = contiguous(xs, l, op)?;
-            let y = map(x, |_, v| Elem::store(gelu_val(v.load())))?;
+            let y = map2(x, x, |v, _| Elem::store(gelu_val(v.load())))?;
             Ok((Elem::into_storage(y), l.shape().clone()))
         })
     }
@@ -118,8 +117,189 @@ impl CustomOp2 for GeluBwd {
                     "{op}: dy and x differ in size"
                 )));
             }
-            let dx = map(x, |i, v| Elem::store(dy[i].load() * gelu_grad(v.load())))?;
+            let dx = map2(x, dy, |v, g| Elem::store(g.load() * gelu_grad(v.load())))?;
             Ok((Elem::into_storage(dx), l1.shape().clone()))
         })
     }
+}
+
+/// `gelu(x + bias)` with `bias` `[n]` broadcast over the last dimension of `x` `[.., n]`: the
+/// bias add of the MLP's first layer fused into its activation. The backward gives `x` and
+/// `bias` their gradients in one pass (the bias gradient as parallel column sums).
+///
+/// ```
+/// # fn main() -> anyhow::Result<()> {
+/// use candle_core::{Device, Tensor};
+/// let x = Tensor::new(&[[1f32, -2.0]], &Device::Cpu)?;
+/// let b = Tensor::new(&[-1f32, 3.0], &Device::Cpu)?;
+/// let y = kiln_model::ops::bias_gelu(&x, &b)?.to_vec2::<f32>()?;
+/// assert_eq!(y[0][0], 0.0);
+/// assert!((y[0][1] - 0.841192).abs() < 1e-5);
+/// # Ok(()) }
+/// ```
+pub fn bias_gelu(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    const OP: &str = "bias_gelu";
+    let n = match x.dims().last() {
+        Some(&n) if n > 0 => n,
+        _ => {
+            return Err(ModelError::Shape {
+                op: OP,
+                what: "x",
+                expected: "[.., n] with n > 0".into(),
+                got: format!("{:?}", x.dims()),
+            })
+        }
+    };
+    if bias.dims() != [n] {
+        return Err(ModelError::Shape {
+            op: OP,
+            what: "bias",
+            expected: format!("[{n}]"),
+            got: format!("{:?}", bias.dims()),
+        });
+    }
+    if !is_float(x.dtype()) || bias.dtype() != x.dtype() {
+        return Err(ModelError::Dtype {
+            op: OP,
+            what: if is_float(x.dtype()) { "bias" } else { "x" },
+            expected: "one float dtype (f32, f64, f16 or bf16) for x and bias",
+            got: if is_float(x.dtype()) {
+                bias.dtype()
+            } else {
+                x.dtype()
+            },
+        });
+    }
+    Ok(x.contiguous()?.apply_op2(&bias.contiguous()?, BiasGelu)?)
+}
+
+struct BiasGelu;
+
+impl CustomOp2 for BiasGelu {
+    fn name(&self) -> &'static str {
+        "kiln-bias-gelu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        with_float_storage!(s1, op, |xs| {
+            let x = contiguous(xs, l1, op)?;
+            let b = contiguous(same_type(x, s2, op)?, l2, op)?;
+            let n = b.len();
+            if n == 0 || x.len() % n != 0 {
+                return Err(candle_core::Error::msg(format!(
+                    "{op}: bias does not fit x"
+                )));
+            }
+            let y = bias_gelu_fwd(x, b)?;
+            Ok((Elem::into_storage(y), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        bias: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let n = bias.elem_count();
+        let rows = x.elem_count() / n.max(1);
+        let grad = grad.to_dtype(x.dtype())?.contiguous()?;
+        // packed: rows 0..rows are dx, row `rows` is d(bias)
+        let packed = x.apply_op3_no_bwd(bias, &grad, &BiasGeluBwd)?;
+        let dx = packed.narrow(0, 0, rows)?.reshape(x.shape())?;
+        let db = packed.narrow(0, rows, 1)?.reshape(n)?;
+        Ok((Some(dx), Some(db)))
+    }
+}
+
+/// `(x, bias, dy) -> [rows + 1, n]`: `dx = dy * gelu'(x + b)` and its column sums.
+struct BiasGeluBwd;
+
+impl CustomOp3 for BiasGeluBwd {
+    fn name(&self) -> &'static str {
+        "kiln-bias-gelu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        with_float_storage!(s1, op, |xs| {
+            let x = contiguous(xs, l1, op)?;
+            let b = contiguous(same_type(x, s2, op)?, l2, op)?;
+            let dy = contiguous(same_type(x, s3, op)?, l3, op)?;
+            let n = b.len();
+            if n == 0 || x.len() % n != 0 || dy.len() != x.len() {
+                return Err(candle_core::Error::msg(format!("{op}: sizes disagree")));
+            }
+            let rows = x.len() / n;
+            let out = bias_gelu_bwd(x, b, dy)?;
+            Ok((Elem::into_storage(out), Shape::from((rows + 1, n))))
+        })
+    }
+}
+
+fn bias_gelu_fwd<T: Elem>(x: &[T], b: &[T]) -> candle_core::Result<Vec<T>> {
+    let n = b.len();
+    let bw: Vec<T::F> = b.iter().map(|v| v.load()).collect();
+    let mut y = output_vec::<T>(x.len());
+    par_rows(&mut y, n, 8 * n, |row0, chunk| {
+        let off = row0 * n;
+        for (r, yr) in chunk.chunks_mut(n).enumerate() {
+            let xr = &x[off + r * n..off + (r + 1) * n];
+            for ((o, &v), &bj) in yr.iter_mut().zip(xr).zip(&bw) {
+                *o = T::store(gelu_val(v.load() + bj));
+            }
+        }
+    })?;
+    Ok(y)
+}
+
+fn bias_gelu_bwd<T: Elem>(x: &[T], b: &[T], dy: &[T]) -> candle_core::Result<Vec<T>> {
+    let n = b.len();
+    let zero = <T::F as Float>::ZERO;
+    let bw: Vec<T::F> = b.iter().map(|v| v.load()).collect();
+    let mut out = output_vec::<T>(x.len() + n);
+    let (dx, db_out) = out.split_at_mut(x.len());
+    let partials = par_rows(dx, n, 12 * n, |row0, chunk| {
+        let mut db = vec![zero; n];
+        let off = row0 * n;
+        for (r, dr) in chunk.chunks_mut(n).enumerate() {
+            let lo = off + r * n;
+            let (xr, gr) = (&x[lo..lo + n], &dy[lo..lo + n]);
+            for ((((o, &v), &g), &bj), acc) in
+                dr.iter_mut().zip(xr).zip(gr).zip(&bw).zip(db.iter_mut())
+            {
+                let d = g.load() * gelu_grad(v.load() + bj);
+                *acc += d;
+                *o = T::store(d);
+            }
+        }
+        db
+    })?;
+    // per-chunk column sums reduced in chunk order: deterministic
+    let mut db = vec![zero; n];
+    for p in partials {
+        for (a, v) in db.iter_mut().zip(p) {
+            *a += v;
+        }
+    }
+    for (o, v) in db_out.iter_mut().zip(db) {
+        *o = T::store(v);
+    }
+    Ok(out)
 }

@@ -11,6 +11,6 @@ mod layer_norm;
 mod softmax;
 
 pub use cross_entropy::cross_entropy;
-pub use gelu::gelu;
+pub use gelu::{bias_gelu, gelu};
 pub use layer_norm::layer_norm;
 pub use softmax::{causal_softmax, causal_softmax_scaled};

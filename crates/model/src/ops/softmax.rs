@@ -79,10 +79,12 @@ fn softmax_fwd<T: Elem>(x: &[T], tq: usize, tk: usize, scale: f64) -> candle_cor
             for &v in xr {
                 max = max.max(v.load() * s);
             }
-            let mut sum = <T::F as Float>::ZERO;
             for (ej, &v) in e[..n].iter_mut().zip(xr) {
-                *ej = (v.load() * s - max).exp();
-                sum += *ej;
+                *ej = (v.load() * s - max).fast_exp();
+            }
+            let mut sum = <T::F as Float>::ZERO;
+            for &ej in &e[..n] {
+                sum += ej;
             }
             let inv = <T::F as Float>::ONE / sum;
             for (o, &ej) in yr[..n].iter_mut().zip(&e[..n]) {
