@@ -3,6 +3,7 @@
 use crate::error::{check_len, OptimError, Result};
 use crate::optimizer::Optimizer;
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 
 /// AdamW hyperparameters, as f64 like PyTorch's Python floats: every per-step constant is
 /// computed in f64 and rounded once to f32, as PyTorch does. [`Default`] gives PyTorch's
@@ -97,7 +98,7 @@ struct StepConsts {
 }
 
 impl StepConsts {
-    fn new(cfg: &AdamWConfig, lr: f32, step: u64) -> Self {
+    fn new(cfg: &AdamWConfig, weight_decay: f64, lr: f32, step: u64) -> Self {
         let lr = lr as f64;
         // PyTorch computes `beta ** step` with a float step: powf, not repeated products
         let t = step as f64;
@@ -105,7 +106,7 @@ impl StepConsts {
         let bc2 = 1.0 - cfg.beta2.powf(t);
         let lerp_w = (1.0 - cfg.beta1) as f32;
         StepConsts {
-            decay: (1.0 - lr * cfg.weight_decay) as f32,
+            decay: (1.0 - lr * weight_decay) as f32,
             lerp_w,
             lerp_w_comp: 1.0 - lerp_w,
             beta2: cfg.beta2 as f32,
@@ -115,6 +116,36 @@ impl StepConsts {
             eps: cfg.eps as f32,
             neg_step_size: (-(lr / bc1)) as f32,
         }
+    }
+}
+
+/// A range of the buffer with its own weight decay (PyTorch's parameter groups, for the one
+/// option that differs between groups in LLM training: no decay on biases, norms and
+/// embeddings).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecayOverride {
+    /// Indices into the optimizer's buffer.
+    pub range: Range<usize>,
+    /// The weight decay of these elements, at least 0.
+    pub weight_decay: f64,
+}
+
+impl DecayOverride {
+    /// The overrides of a whole buffer (sorted, disjoint) as seen by the shard holding
+    /// `shard` of it: clipped to the shard and shifted to start at 0. An optimizer over that
+    /// shard with these overrides computes bitwise what the whole buffer's optimizer computes.
+    pub fn for_shard(whole: &[DecayOverride], shard: Range<usize>) -> Vec<DecayOverride> {
+        whole
+            .iter()
+            .filter_map(|o| {
+                let start = o.range.start.max(shard.start);
+                let end = o.range.end.min(shard.end);
+                (start < end).then(|| DecayOverride {
+                    range: start - shard.start..end - shard.start,
+                    weight_decay: o.weight_decay,
+                })
+            })
+            .collect()
     }
 }
 
@@ -204,6 +235,7 @@ pub struct AdamW {
     m: Vec<f32>,
     v: Vec<f32>,
     threads: usize,
+    decay_overrides: Vec<DecayOverride>,
 }
 
 impl AdamW {
@@ -216,6 +248,7 @@ impl AdamW {
             m: vec![0.0; len],
             v: vec![0.0; len],
             threads: 1,
+            decay_overrides: Vec::new(),
         })
     }
 
@@ -236,6 +269,68 @@ impl AdamW {
     /// on it, bit for bit.
     pub fn set_threads(&mut self, threads: usize) {
         self.threads = threads.max(1);
+    }
+
+    /// Gives the elements in each `range` (indices into this optimizer's buffer) their own
+    /// weight decay, typically 0 for biases, norms and embeddings; the others keep
+    /// [`AdamWConfig::weight_decay`]. Ranges must be sorted, disjoint and inside the buffer.
+    /// For a shard, cut the whole buffer's list with [`DecayOverride::for_shard`].
+    pub fn set_decay_overrides(&mut self, overrides: Vec<DecayOverride>) -> Result<()> {
+        let mut end = 0;
+        for o in &overrides {
+            if o.range.start < end || o.range.end < o.range.start || o.range.end > self.m.len() {
+                return Err(OptimError::BadRange {
+                    what: "weight decay override",
+                    start: o.range.start,
+                    end: o.range.end,
+                    len: self.m.len(),
+                });
+            }
+            if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+                return Err(OptimError::InvalidHyperparameter {
+                    name: "weight_decay",
+                    value: o.weight_decay,
+                    reason: "must be finite and at least 0",
+                });
+            }
+            end = o.range.end;
+        }
+        self.decay_overrides = overrides;
+        Ok(())
+    }
+
+    /// The weight-decay overrides (see [`AdamW::set_decay_overrides`]).
+    pub fn decay_overrides(&self) -> &[DecayOverride] {
+        &self.decay_overrides
+    }
+
+    /// Runs the kernel over `range`, split over the configured threads when it is large.
+    fn update_range(
+        &mut self,
+        range: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        c: StepConsts,
+    ) {
+        let (p, g) = (&mut params[range.clone()], &grads[range.clone()]);
+        let (m, v) = (&mut self.m[range.clone()], &mut self.v[range.clone()]);
+        let n = p.len();
+        if self.threads == 1 || n < PARALLEL_MIN_LEN {
+            adamw_range(p, g, m, v, c);
+            return;
+        }
+        // contiguous parts, each a whole number of blocks
+        let part = n.div_ceil(self.threads).div_ceil(BLOCK) * BLOCK;
+        std::thread::scope(|s| {
+            let parts = p
+                .chunks_mut(part)
+                .zip(g.chunks(part))
+                .zip(m.chunks_mut(part))
+                .zip(v.chunks_mut(part));
+            for (((p, g), m), v) in parts {
+                s.spawn(move || adamw_range(p, g, m, v, c));
+            }
+        });
     }
 
     /// The first moment (`exp_avg`).
@@ -298,29 +393,21 @@ impl Optimizer for AdamW {
             });
         }
         self.step += 1;
-        let c = StepConsts::new(&self.config, lr, self.step);
-        let n = params.len();
-        let threads = if n >= PARALLEL_MIN_LEN {
-            self.threads
-        } else {
-            1
-        };
-        if threads == 1 {
-            adamw_range(params, grads, &mut self.m, &mut self.v, c);
-            return Ok(());
-        }
-        // contiguous parts, each a whole number of blocks
-        let part = n.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
-        std::thread::scope(|s| {
-            let parts = params
-                .chunks_mut(part)
-                .zip(grads.chunks(part))
-                .zip(self.m.chunks_mut(part))
-                .zip(self.v.chunks_mut(part));
-            for (((p, g), m), v) in parts {
-                s.spawn(move || adamw_range(p, g, m, v, c));
+        let (cfg, step) = (self.config, self.step);
+        let consts = |wd: f64| StepConsts::new(&cfg, wd, lr, step);
+        let overrides = std::mem::take(&mut self.decay_overrides);
+        let mut done = 0;
+        for o in &overrides {
+            if o.range.start > done {
+                self.update_range(done..o.range.start, params, grads, consts(cfg.weight_decay));
             }
-        });
+            self.update_range(o.range.clone(), params, grads, consts(o.weight_decay));
+            done = o.range.end;
+        }
+        if done < params.len() {
+            self.update_range(done..params.len(), params, grads, consts(cfg.weight_decay));
+        }
+        self.decay_overrides = overrides;
         Ok(())
     }
 

@@ -14,7 +14,7 @@ const LIMBS: usize = 20;
 const BIN_BLOCK: usize = 1 << 15;
 /// Independent bin arrays, so consecutive elements of equal exponent do not serialise on one
 /// memory location.
-const LANES: usize = 4;
+const LANES: usize = 8;
 
 /// The exact sum of squares of f32 values, independent of the order in which they are added and
 /// of how they are split over ranks: `add` every local slice, [`SquareSum::all_reduce`] over the
@@ -32,6 +32,18 @@ pub struct SquareSum {
     nan: bool,
     /// Any infinity added.
     inf: bool,
+}
+
+/// Adds the square of `x`'s significand to the bin of its exponent, without a branch:
+/// `x = mant * 2^(e - 150)` with `mant = 2^23 + frac`, so `x^2 = mant^2 * 2^(2e - 300)` with
+/// `mant^2 < 2^48`. Two bins are wrong and rare, and the caller redoes them: bin 0 (zeros and
+/// subnormals, which have no implicit bit) and bin 255 (inf and NaN).
+#[inline(always)]
+fn bin(lane: &mut [u64; 256], x: f32) {
+    let bits = x.to_bits();
+    let e = ((bits >> 23) & 0xff) as usize;
+    let mant = ((bits & 0x7f_ffff) | 0x80_0000) as u64;
+    lane[e] += mant * mant;
 }
 
 impl Default for SquareSum {
@@ -61,41 +73,44 @@ impl SquareSum {
     pub fn add(&mut self, values: &[f32]) {
         let mut bins = [[0u64; 256]; LANES];
         for block in values.chunks(BIN_BLOCK) {
-            let mut quads = block.chunks_exact(LANES);
-            for q in &mut quads {
-                for (lane, &x) in bins.iter_mut().zip(q) {
-                    self.bin(lane, x);
+            let mut groups = block.chunks_exact(LANES);
+            for group in &mut groups {
+                for (lane, &x) in bins.iter_mut().zip(group) {
+                    bin(lane, x);
                 }
             }
-            for &x in quads.remainder() {
-                self.bin(&mut bins[0], x);
+            for &x in groups.remainder() {
+                bin(&mut bins[0], x);
+            }
+            // bins 0 and 255 are junk (see `bin`): redo zeros, subnormals, inf and NaN exactly
+            let special = bins.iter().any(|l| l[0] != 0 || l[255] != 0);
+            for lane in bins.iter_mut() {
+                lane[0] = 0;
+                lane[255] = 0;
+            }
+            if special {
+                for &x in block {
+                    let bits = x.to_bits();
+                    let frac = (bits & 0x7f_ffff) as u64;
+                    match (bits >> 23) & 0xff {
+                        // a subnormal is frac * 2^(1 - 150): exponent 1's scale, no implicit bit
+                        0 => bins[0][1] += frac * frac,
+                        255 if frac != 0 => self.nan = true,
+                        255 => self.inf = true,
+                        _ => {}
+                    }
+                }
             }
             for lane in bins.iter_mut() {
-                for (e, b) in lane.iter_mut().enumerate() {
+                for (e, b) in lane.iter_mut().enumerate().skip(1) {
                     if *b != 0 {
-                        // bin 0 holds subnormals, which share exponent 1's scale (see `bin`)
-                        self.add_shifted(*b, 2 * e.max(1) - 2);
+                        self.add_shifted(*b, 2 * e - 2);
                         *b = 0;
                     }
                 }
             }
             self.normalize();
         }
-    }
-
-    #[inline(always)]
-    fn bin(&mut self, lane: &mut [u64; 256], x: f32) {
-        let bits = x.to_bits();
-        let e = ((bits >> 23) & 0xff) as usize;
-        let frac = bits & 0x7f_ffff;
-        if e == 0xff {
-            self.nan |= frac != 0;
-            self.inf |= frac == 0;
-            return;
-        }
-        // x = mant * 2^(max(e, 1) - 150); subnormals (e == 0) have no implicit bit
-        let mant = (frac | (((e != 0) as u32) << 23)) as u64;
-        lane[e] += mant * mant;
     }
 
     /// Adds `val * 2^shift` (units of 2^-298) to the limbs.

@@ -26,6 +26,18 @@ pub enum OptimError {
         /// What it must satisfy.
         reason: &'static str,
     },
+    /// A range that is empty, reversed, out of order or outside the buffer.
+    #[error("{what} {start}..{end} is out of order or outside a buffer of {len} elements")]
+    BadRange {
+        /// What the range was for.
+        what: &'static str,
+        /// Its start.
+        start: usize,
+        /// Its end.
+        end: usize,
+        /// The buffer's length.
+        len: usize,
+    },
     /// A collective (all-reducing the gradient norm) failed.
     #[error(transparent)]
     Comm(#[from] kiln_comm::CommError),

@@ -38,7 +38,7 @@ mod error;
 mod optimizer;
 mod schedule;
 
-pub use adamw::{AdamW, AdamWConfig, AdamWState, PARALLEL_MIN_LEN};
+pub use adamw::{AdamW, AdamWConfig, AdamWState, DecayOverride, PARALLEL_MIN_LEN};
 pub use clip::{
     clip_grad_norm, clip_grad_norm_local, clip_to_norm, global_grad_norm, ClipReport, SquareSum,
 };

@@ -5,7 +5,9 @@
 #![allow(clippy::needless_range_loop)] // the references index like the formulas they transcribe
 
 use kiln_comm::chunk_range;
-use kiln_optim::{AdamW, AdamWConfig, AdamWState, OptimError, Optimizer, PARALLEL_MIN_LEN};
+use kiln_optim::{
+    AdamW, AdamWConfig, AdamWState, DecayOverride, OptimError, Optimizer, PARALLEL_MIN_LEN,
+};
 use kiln_testkit::{assert_bitwise_eq, assert_close};
 
 /// Deterministic values in [-1, 1) (splitmix64).
@@ -469,4 +471,129 @@ fn bad_lengths_are_errors_and_change_nothing() {
     )
     .unwrap_err();
     assert_eq!(e.to_string(), "invalid beta2 1: must be in [0, 1)");
+}
+
+fn overrides() -> Vec<DecayOverride> {
+    let o = |range, weight_decay| DecayOverride {
+        range,
+        weight_decay,
+    };
+    vec![o(100..300, 0.0), o(300..301, 0.5), o(4000..5000, 0.0)]
+}
+
+#[test]
+fn decay_overrides_equal_separate_optimizers() {
+    let n = 5000;
+    let cfg = AdamWConfig {
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let mut opt = AdamW::new(n, cfg).unwrap();
+    opt.set_decay_overrides(overrides()).unwrap();
+    let mut p = params0(n);
+    // the same segments as independent optimizers, each with its weight decay
+    let segments = [
+        (0..100, 0.1),
+        (100..300, 0.0),
+        (300..301, 0.5),
+        (301..4000, 0.1),
+        (4000..5000, 0.0),
+    ];
+    let mut parts: Vec<(AdamW, Vec<f32>)> = segments
+        .iter()
+        .map(|(r, wd)| {
+            let c = AdamWConfig {
+                weight_decay: *wd,
+                ..cfg
+            };
+            (
+                AdamW::new(r.len(), c).unwrap(),
+                params0(n)[r.clone()].to_vec(),
+            )
+        })
+        .collect();
+    for t in 0..10 {
+        let g = grads(t, n);
+        opt.step(&mut p, &g, lr_at(t)).unwrap();
+        for ((o, q), (r, _)) in parts.iter_mut().zip(&segments) {
+            o.step(q, &g[r.clone()], lr_at(t)).unwrap();
+        }
+    }
+    for ((o, q), (r, _)) in parts.iter().zip(&segments) {
+        assert_bitwise_eq(&p[r.clone()], q);
+        assert_bitwise_eq(&opt.exp_avg_sq()[r.clone()], o.exp_avg_sq());
+    }
+    // and the override really changed something
+    let (plain, _) = run_range(cfg, n, 0..n, 10, 1);
+    assert_ne!(plain[150], p[150]);
+    assert_eq!(plain[50], p[50]);
+}
+
+#[test]
+fn sharded_decay_overrides_are_bitwise() {
+    let n = 5000;
+    let cfg = AdamWConfig::default();
+    let mut whole = AdamW::new(n, cfg).unwrap();
+    whole.set_decay_overrides(overrides()).unwrap();
+    for world in [3usize, 7] {
+        let mut shards: Vec<_> = (0..world)
+            .map(|r| {
+                let range = chunk_range(n, world, r);
+                let mut o = AdamW::new(range.len(), cfg).unwrap();
+                o.set_decay_overrides(DecayOverride::for_shard(&overrides(), range.clone()))
+                    .unwrap();
+                (o, params0(n)[range.clone()].to_vec(), range)
+            })
+            .collect();
+        let mut pw = params0(n);
+        let mut w = whole.clone();
+        for t in 0..5 {
+            let g = grads(t, n);
+            w.step(&mut pw, &g, lr_at(t)).unwrap();
+            for (o, q, r) in shards.iter_mut() {
+                o.step(q, &g[r.clone()], lr_at(t)).unwrap();
+            }
+        }
+        for (_, q, r) in &shards {
+            assert_bitwise_eq(q, &pw[r.clone()]);
+        }
+    }
+    assert_eq!(
+        DecayOverride::for_shard(&overrides(), 250..350),
+        vec![
+            DecayOverride {
+                range: 0..50,
+                weight_decay: 0.0
+            },
+            DecayOverride {
+                range: 50..51,
+                weight_decay: 0.5
+            },
+        ]
+    );
+}
+
+#[test]
+fn bad_decay_overrides_are_rejected() {
+    let mut opt = AdamW::new(100, AdamWConfig::default()).unwrap();
+    let o = |range, weight_decay| DecayOverride {
+        range,
+        weight_decay,
+    };
+    let e = opt
+        .set_decay_overrides(vec![o(10..20, 0.0), o(15..30, 0.0)])
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "weight decay override 15..30 is out of order or outside a buffer of 100 elements"
+    );
+    assert!(opt.set_decay_overrides(vec![o(90..101, 0.0)]).is_err());
+    assert!(opt.set_decay_overrides(vec![o(0..1, -1.0)]).is_err());
+    assert!(opt.decay_overrides().is_empty());
+    // object safe: usable as a trait object
+    let mut boxed: Box<dyn Optimizer> = Box::new(opt);
+    let mut p = vec![1.0f32; 100];
+    boxed.step(&mut p, &[0.5; 100], 1e-2).unwrap();
+    assert_eq!(boxed.step_count(), 1);
+    assert_eq!(boxed.state_buffers()[1].0, "exp_avg_sq");
 }
