@@ -259,10 +259,10 @@ impl SpikeConfig {
 /// over the last `window` accepted values: it must be k robust standard deviations above the
 /// median **and** a relative jump of at least `min_rel_jump`. Only upward deviations count (a
 /// sudden drop in loss is not a failure). The median and MAD resist the outliers themselves;
-/// the relative floor is what keeps a noisy but healthy run quiet: a pure k-sigma rule fires on
-/// about 0.13% of Gaussian steps (13 false alarms per 10,000 steps at k = 3), while with the
-/// floor the measured false-positive count is zero on 10,000 steps of
-/// `2 + 8 exp(-t / 2000) + N(0, 0.05)` (see the crate docs and the tests).
+/// the relative floor is what keeps a noisy but healthy run quiet: an upward k-sigma rule alone
+/// fires on about 0.1% of Gaussian steps at k = 3 (79 false alarms in 100,000 steps of
+/// `2 + 8 exp(-t / 2000) + N(0, 0.05)`), the default rule on none in 1,000,000 (see the crate
+/// docs and `tests/detect.rs`).
 ///
 /// Spikes do not enter the window, so one bad batch does not raise the bar for the next; nor
 /// do non-finite values (the [`NonFiniteDetector`]'s job) or missing ones. A persistent jump

@@ -359,7 +359,7 @@ mod tests {
             loss: Some(f64::NAN),
             grad_norm: Some(f64::INFINITY),
             grad_norm_clipped: Some(f64::NEG_INFINITY),
-            lr: Some(3e-4),
+            lr: Some(4.0 / 1.1),
             loss_scale: Some(65536.0),
             scaler_event: Some(ScalerEvent::BackedOff),
             tokens_per_s: Some(3600.5),
@@ -409,6 +409,8 @@ mod tests {
         let back: StepMetrics = serde_json::from_str(&line).unwrap();
         assert!(back.loss.unwrap().is_nan());
         assert_eq!(back.grad_norm, Some(f64::INFINITY));
+        // finite values come back bitwise (serde_json's float_roundtrip)
+        assert_eq!(back.lr.unwrap().to_bits(), (4.0f64 / 1.1).to_bits());
         assert!(same(&m, &back));
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
         // every field of the struct is present when set

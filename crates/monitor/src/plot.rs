@@ -56,7 +56,8 @@ impl Series {
 }
 
 /// Keeps loss, learning rate, gradient norm and tokens/s of every record and draws them into
-/// a PNG of four panels when closed. Steps replayed after a rollback replace the old ones;
+/// a PNG of four panels when closed; a noisy series (loss, gradient norm, tokens/s) of 200
+/// points or more is drawn faint with a moving average (over 1% of the points) on top. Steps replayed after a rollback replace the old ones;
 /// the replaced points are drawn in grey, and rollbacks, skipped batches and halts as red
 /// vertical lines on the loss panel.
 ///
@@ -138,24 +139,33 @@ impl PlotSink {
         register_font().map_err(|e| self.plot_err(e))?;
         root.fill(&WHITE).map_err(|e| self.plot_err(e))?;
         let panels = root.split_evenly((2, 2));
-        let spec: [(&str, &Series, RGBColor, bool); 4] = [
-            ("loss", &self.loss, RGBColor(31, 119, 180), true),
-            ("learning rate", &self.lr, RGBColor(44, 160, 44), false),
+        // (title, series, colour, event marks, moving average)
+        let spec: [(&str, &Series, RGBColor, bool, bool); 4] = [
+            ("loss", &self.loss, RGBColor(31, 119, 180), true, true),
+            (
+                "learning rate",
+                &self.lr,
+                RGBColor(44, 160, 44),
+                false,
+                false,
+            ),
             (
                 "gradient norm",
                 &self.grad_norm,
                 RGBColor(255, 127, 14),
                 false,
+                true,
             ),
             (
                 "tokens/s",
                 &self.tokens_per_s,
                 RGBColor(148, 103, 189),
                 false,
+                true,
             ),
         ];
-        for (area, (title, series, color, marks)) in panels.iter().zip(spec) {
-            self.panel(area, title, series, color, marks)?;
+        for (area, (title, series, color, marks, smooth)) in panels.iter().zip(spec) {
+            self.panel(area, title, series, color, marks, smooth)?;
         }
         root.present().map_err(|e| self.plot_err(e))
     }
@@ -167,6 +177,7 @@ impl PlotSink {
         series: &Series,
         color: RGBColor,
         with_marks: bool,
+        smooth: bool,
     ) -> Result<()> {
         let err = |e: &dyn std::fmt::Display| self.plot_err(format!("{title} panel: {e}"));
         let Some((x0, mut x1, mut y0, mut y1)) = series.bounds() else {
@@ -223,14 +234,45 @@ impl PlotSink {
                 )
                 .map_err(|e| err(&e))?;
         }
+        // width 1: plotters 0.3.7 fills wider lines as polygons, which grow long spurs past
+        // the panel on the steep zigzags of a noisy series (tokens/s)
+        let smooth = smooth && series.kept.len() >= SMOOTH_FROM;
+        let raw_style = if smooth {
+            color.mix(0.35).stroke_width(1)
+        } else {
+            color.stroke_width(1)
+        };
         chart
-            .draw_series(LineSeries::new(
-                series.kept.iter().copied(),
-                color.stroke_width(2),
-            ))
+            .draw_series(LineSeries::new(series.kept.iter().copied(), raw_style))
             .map_err(|e| err(&e))?;
+        if smooth {
+            let w = (series.kept.len() / 100).max(5);
+            chart
+                .draw_series(LineSeries::new(
+                    moving_average(&series.kept, w),
+                    color.stroke_width(1),
+                ))
+                .map_err(|e| err(&e))?;
+        }
         Ok(())
     }
+}
+
+/// Series of at least this many points also get a moving average over the raw line.
+const SMOOTH_FROM: usize = 200;
+
+/// Trailing moving average over `w` points (fewer at the start).
+fn moving_average(points: &[(f64, f64)], w: usize) -> Vec<(f64, f64)> {
+    let mut out = Vec::with_capacity(points.len());
+    let mut sum = 0.0;
+    for (i, &(x, y)) in points.iter().enumerate() {
+        sum += y;
+        if i >= w {
+            sum -= points[i - w].1;
+        }
+        out.push((x, sum / (i + 1).min(w) as f64));
+    }
+    out
 }
 
 fn format_tick(v: f64) -> String {
@@ -242,7 +284,8 @@ fn format_tick(v: f64) -> String {
     } else if a >= 100.0 {
         format!("{v:.0}")
     } else {
-        format!("{v:.3}")
+        let s = format!("{v:.3}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
     }
 }
 
