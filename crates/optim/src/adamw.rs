@@ -385,11 +385,11 @@ impl Optimizer for AdamW {
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<()> {
         check_len("adamw step", "params", self.m.len(), params.len())?;
         check_len("adamw step", "grads", self.m.len(), grads.len())?;
-        if !lr.is_finite() {
+        if !(lr.is_finite() && lr >= 0.0) {
             return Err(OptimError::InvalidHyperparameter {
                 name: "lr",
                 value: lr as f64,
-                reason: "must be finite",
+                reason: "must be finite and at least 0",
             });
         }
         self.step += 1;

@@ -462,6 +462,12 @@ fn bad_lengths_are_errors_and_change_nothing() {
         "adamw load_state: m has 3 elements, expected 4"
     );
     assert!(opt.step(&mut p, &[0.1; 4], f32::NAN).is_err());
+    let e = opt.step(&mut p, &[0.1; 4], -1e-3).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid lr -0.0010000000474974513: must be finite and at least 0"
+    );
+    assert_eq!(opt.step_count(), 0);
     let e = AdamW::new(
         1,
         AdamWConfig {

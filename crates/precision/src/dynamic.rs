@@ -160,7 +160,8 @@ impl DynamicLossScaler {
         self.growth_tracker
     }
 
-    /// Overflows that will still be absorbed before the next backoff is `hysteresis_left - 1`.
+    /// The hysteresis counter (DeepSpeed's `cur_hysteresis`): the next `hysteresis_left - 1`
+    /// overflows only skip their step, the one after backs off.
     pub fn hysteresis_left(&self) -> u32 {
         self.hysteresis_left
     }
