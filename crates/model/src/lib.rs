@@ -11,7 +11,7 @@
 //!   linear layers replace [`DenseFactory`]'s dense ones.
 //! - [`ops`]: layer norm, causal softmax, GELU and cross-entropy as candle custom ops with a
 //!   fused CPU forward and a backward (candle's own fused softmax and layer norm have none);
-//!   [`reference`] holds composite equivalents.
+//!   [`reference`](mod@reference) holds composite equivalents.
 //! - [`generate`]: greedy and top-k sampling.
 //!
 //! ```

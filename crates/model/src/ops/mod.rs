@@ -3,7 +3,7 @@
 //!
 //! candle's own `softmax_last_dim` and `layer_norm` build no backward node on contiguous
 //! input, so training through them silently leaves the weights unchanged; the model uses these
-//! instead. [`reference`](crate::reference) holds composite equivalents for comparison.
+//! instead. [`reference`](mod@crate::reference) holds composite equivalents for comparison.
 
 mod cross_entropy;
 mod gelu;
