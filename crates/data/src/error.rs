@@ -203,6 +203,12 @@ pub enum DataError {
         /// How long the consumer waited.
         waited: Duration,
     },
+    /// Every worker exited before the awaited batch arrived.
+    #[error("data pipeline closed before batch {batch} arrived: every worker has exited")]
+    PipelineClosed {
+        /// The global batch index awaited.
+        batch: u64,
+    },
     /// A transform rejected a sample.
     #[error("transform {name} failed on sample {sample}: {message}")]
     Transform {

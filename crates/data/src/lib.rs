@@ -1,23 +1,30 @@
 //! kiln-data
 #![deny(missing_docs)]
 
+mod batch;
 mod cache;
 mod drift;
 mod error;
 mod fsutil;
+mod loader;
 mod mixture;
 mod ngram;
+mod plan;
+mod prefetch;
 mod rng;
 mod sample;
 mod sampler;
 mod shard;
 mod source;
+mod state;
 mod tokenizer;
 mod transform;
 
+pub use batch::Batch;
 pub use cache::{ChunkCache, ChunkCacheStats};
 pub use drift::{kl_divergence, DriftMonitor, DriftReport};
 pub use error::{DataError, Result};
+pub use loader::{DataLoader, LoaderConfig, LoaderStats};
 pub use mixture::{Mixture, WeightChange};
 pub use ngram::{NgramLm, PerplexityFilter};
 pub use rng::{splitmix64, stream_key, stream_rng, Permutation, Purpose, SampleRng};
@@ -30,6 +37,7 @@ pub use shard::{
     SHARD_MAGIC, SHARD_VERSION,
 };
 pub use source::TokenSource;
+pub use state::{LoaderState, SourceState, LOADER_STATE_VERSION};
 pub use tokenizer::{sample_text, Tokenizer, EOT_TOKEN};
 pub use transform::{
     apply_transforms, transform_rng, SampleView, SpanMask, TokenDropout, Transform,
