@@ -323,6 +323,14 @@ impl Gpt {
         out
     }
 
+    /// The parameter called `name` ([`Gpt::named_parameters`] spelling), if any.
+    pub fn parameter(&self, name: &str) -> Option<Var> {
+        self.named_parameters()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+    }
+
     /// The parameters a segment owns (its gradient comes from its own backward). `wte` is
     /// owned by `Embed`; see [`Gpt::tied_parameters`]. A block index out of range gives an
     /// empty list.

@@ -180,6 +180,11 @@ fn parameters_named_ordered_counted_and_initialised() {
     assert_eq!(names[2..14], block0);
     assert_eq!(names[names.len() - 2..], ["ln_f.weight", "ln_f.bias"]);
     assert_eq!(names.len(), 2 + 12 * cfg.n_layers + 2);
+    assert_eq!(
+        model.parameter("h.1.mlp.c_fc.weight").unwrap().dims(),
+        &[512, 128]
+    );
+    assert!(model.parameter("h.2.mlp.c_fc.weight").is_none());
     assert_eq!(model.num_parameters() as u64, cfg.param_count());
     assert_eq!(model.num_parameters(), 470_528);
     let micro_model = Gpt::new(&micro(), &GptOptions::seeded(1)).unwrap();
