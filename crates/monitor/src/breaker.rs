@@ -4,6 +4,12 @@
 //! rate or stops, as the [`Action`] says. The breaker's [`BreakerState`] is serialisable so a
 //! checkpoint carries it, in particular the sample windows skipped after a rollback, which a
 //! resumed run must skip too.
+//!
+//! On [`Action::Rollback`] the trainer restores every part of the checkpoint **except the
+//! breaker** (whose state already records the new skip window), calls
+//! [`crate::DetectorSet::rollback`], and filters [`BreakerState::skipped_sample_ids`] out of the
+//! data from then on. The skip reaches the disk with the next checkpoint; a trainer that must
+//! survive a crash in between saves one right after resuming.
 
 use crate::detect::{Metric, Verdict};
 use crate::event::Event;

@@ -144,3 +144,69 @@ impl fmt::Display for Event {
         write!(f, "[{}] step {}: {}", self.kind, self.step, self.message)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::breaker::HaltReason;
+    use crate::detect::Metric;
+
+    #[test]
+    fn action_events_have_the_documented_json_shape() {
+        let spike = Verdict::Spike {
+            metric: Metric::Loss,
+            value: 9.0,
+            median: 3.0,
+            robust_sd: 0.5,
+            threshold: 4.5,
+        };
+        let cases = [
+            (Action::SkipBatch, r#"{"action":"skip_batch"}"#),
+            (
+                Action::Rollback {
+                    to_step: 25,
+                    skip_samples: vec![120, 121],
+                },
+                r#"{"action":"rollback","to_step":25,"skip_samples":[120,121]}"#,
+            ),
+            (
+                Action::CoolDown {
+                    lr_factor: 0.5,
+                    steps: 100,
+                },
+                r#"{"action":"cool_down","lr_factor":0.5,"steps":100}"#,
+            ),
+            (
+                Action::Halt(HaltReason {
+                    step: 40,
+                    events: 5,
+                    within_steps: 1000,
+                    last: vec![Verdict::NonFinite {
+                        metric: Metric::GradNorm,
+                        value: f64::INFINITY,
+                    }],
+                }),
+                r#"{"action":"halt","step":40,"events":5,"within_steps":1000,"last":[{"kind":"non_finite","metric":"grad_norm","value":"Infinity"}]}"#,
+            ),
+        ];
+        for (action, json) in cases {
+            let mut e = Event::for_action(7, &action).unwrap();
+            e.time = None;
+            let line = serde_json::to_string(&e).unwrap();
+            assert!(
+                line.starts_with(&format!(r#"{{"event":"{}","step":7,"#, e.kind)),
+                "{line}"
+            );
+            assert!(line.ends_with(&format!(r#""action":{json}}}"#)), "{line}");
+            let back: Event = serde_json::from_str(&line).unwrap();
+            assert_eq!(serde_json::to_string(&back).unwrap(), line);
+        }
+        assert!(Event::for_action(7, &Action::Continue).is_none());
+        let mut a = Event::alert(3, &spike);
+        a.time = None;
+        assert_eq!(
+            serde_json::to_string(&a).unwrap(),
+            r#"{"event":"alert","step":3,"message":"loss spike: 9.000000 above threshold 4.500000 (median 3.000000, robust sd 0.500000)","verdict":{"kind":"spike","metric":"loss","value":9.0,"median":3.0,"robust_sd":0.5,"threshold":4.5}}"#
+        );
+    }
+}

@@ -240,9 +240,10 @@ fn watch(sh: &Shared, timeout: Duration, comms: &[Arc<dyn Communicator>], on_han
                     })
                     .collect(),
             };
+            // stored before the callback runs, so a panicking callback cannot lose it
+            lock(&sh.state).report.get_or_insert_with(|| report.clone());
             on_hang(&report);
             st = lock(&sh.state);
-            st.report.get_or_insert(report);
             continue;
         }
         let wait = if st.fired_since_beat {
