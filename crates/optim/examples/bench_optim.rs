@@ -79,9 +79,18 @@ fn main() -> anyhow::Result<()> {
     assert!(!found);
     line("unscale_and_check", "", n, secs, 8, memcpy);
 
-    let mut norm = 0.0;
-    let secs = median_secs(|| norm = SquareSum::of(black_box(&grads)).norm());
-    assert!(norm > 0.0);
-    line("grad_norm_exact", "", n, secs, 4, memcpy);
+    for threads in [1usize, 2] {
+        let mut norm = 0.0;
+        let secs = median_secs(|| norm = SquareSum::of_threads(black_box(&grads), threads).norm());
+        assert!(norm > 0.0);
+        line(
+            "grad_norm_exact",
+            &format!("\"threads\":{threads},"),
+            n,
+            secs,
+            4,
+            memcpy,
+        );
+    }
     Ok(())
 }

@@ -142,6 +142,9 @@ fn square_sum_does_not_depend_on_order_or_split() {
     let mut rev = v.clone();
     rev.reverse();
     assert_eq!(SquareSum::of(&rev), whole);
+    for threads in [1, 2, 3, 64] {
+        assert_eq!(SquareSum::of_threads(&v, threads), whole);
+    }
 }
 
 #[test]
