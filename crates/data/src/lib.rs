@@ -11,6 +11,7 @@ mod mixture;
 mod ngram;
 mod plan;
 mod prefetch;
+mod prepare;
 mod rng;
 mod sample;
 mod sampler;
@@ -27,6 +28,10 @@ pub use error::{DataError, Result};
 pub use loader::{DataLoader, LoaderConfig, LoaderStats};
 pub use mixture::{Mixture, WeightChange};
 pub use ngram::{NgramLm, PerplexityFilter};
+pub use prepare::{
+    default_cache_dir, prepare_corpus, split_validation, PrepareConfig, PreparedCorpus,
+    PreparedSource, DEFAULT_CORPORA,
+};
 pub use rng::{splitmix64, stream_key, stream_rng, Permutation, Purpose, SampleRng};
 pub use sample::{SampleId, SkipSet};
 pub use sampler::{
