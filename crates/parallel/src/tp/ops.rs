@@ -35,10 +35,9 @@ macro_rules! map_float_storage {
         }
     };
 }
-pub(crate) use map_float_storage;
 
 /// The contiguous part of `data` that `layout` addresses; an error for a strided layout.
-pub(crate) fn contiguous<'a, T>(
+pub(super) fn contiguous<'a, T>(
     data: &'a [T],
     layout: &Layout,
     op: &'static str,
@@ -275,7 +274,8 @@ fn check_last(x: &Tensor, op: &'static str, divisor: usize) -> Result<()> {
 /// the tensor-parallel group. Put it where a replicated activation enters column-parallel
 /// computation, so that each rank's partial input gradient is summed.
 ///
-/// With one rank this is `x` itself (no op is recorded). The output is contiguous.
+/// With one rank this is `x` itself (no op is recorded); otherwise the output is a contiguous
+/// copy.
 pub fn copy_to_tp_region(x: &Tensor, comm: &TpComm) -> Result<Tensor> {
     if comm.world_size() == 1 {
         return Ok(x.clone());

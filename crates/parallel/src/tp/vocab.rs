@@ -4,11 +4,11 @@
 
 use crate::error::{ParallelError, Result};
 use crate::tp::linear::column_parallel_linear;
-use crate::tp::ops::{contiguous, map_float_storage, reduce_from_tp_region, TpComm};
+use crate::tp::ops::{contiguous, reduce_from_tp_region, TpComm};
 use crate::tp::shard::{shard_vocab, vocab_range};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor, Var, WithDType};
-use kiln_comm::{CommExt, ReduceOp};
+use kiln_comm::{CommElem, CommExt, ReduceOp};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -88,57 +88,98 @@ pub fn vocab_parallel_logits(x: &Tensor, wte_local: &Tensor, comm: &TpComm) -> R
     column_parallel_linear(x, wte_local, None, comm)
 }
 
-/// Runs `$body` with `$x` bound to the contiguous typed slice of a float tensor's CPU storage.
-macro_rules! with_float_slice {
-    ($cpu:expr, $layout:expr, $op:expr, |$x:ident| $body:expr) => {
-        match $cpu {
-            CpuStorage::F32(v) => {
-                let $x = contiguous(v, $layout, $op)?;
-                $body
+const CE_OP: &str = "vocab_parallel_cross_entropy";
+
+/// The type rows are reduced in: f32 for f32, f16 and bf16 logits (as the dense kernels do),
+/// f64 for f64.
+trait Acc:
+    CommElem + PartialOrd + std::ops::Sub<Output = Self> + std::ops::Mul<Output = Self> + std::iter::Sum
+{
+    const NEG_INFINITY: Self;
+    const ZERO: Self;
+    fn of<T: WithDType>(t: T) -> Self;
+    fn exp(self) -> Self;
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+}
+
+macro_rules! acc {
+    ($t:ty) => {
+        impl Acc for $t {
+            const NEG_INFINITY: Self = <$t>::NEG_INFINITY;
+            const ZERO: Self = 0.0;
+            #[inline]
+            fn of<T: WithDType>(t: T) -> Self {
+                t.to_f64() as $t
             }
-            CpuStorage::F64(v) => {
-                let $x = contiguous(v, $layout, $op)?;
-                $body
+            #[inline]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
             }
-            CpuStorage::F16(v) => {
-                let $x = contiguous(v, $layout, $op)?;
-                $body
+            #[inline]
+            fn to_f64(self) -> f64 {
+                f64::from(self)
             }
-            CpuStorage::BF16(v) => {
-                let $x = contiguous(v, $layout, $op)?;
-                $body
-            }
-            other => {
-                return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), $op).into())
+            #[inline]
+            fn from_f64(v: f64) -> Self {
+                v as $t
             }
         }
     };
 }
+acc!(f32);
+acc!(f64);
 
-const CE_OP: &str = "vocab_parallel_cross_entropy";
-
-/// Per-row maximum of `[n, v]` rows.
-fn row_max<T: WithDType>(x: &[T], v: usize) -> Vec<f64> {
+/// Per-row maximum of `[n, v]` rows (NaN does not win, as in the dense kernel).
+fn row_max<T: WithDType, A: Acc>(x: &[T], v: usize) -> Vec<A> {
     x.chunks_exact(v)
         .map(|row| {
-            row.iter()
-                .fold(f64::NEG_INFINITY, |m, &e| m.max(e.to_f64()))
+            row.iter().fold(A::NEG_INFINITY, |m, &e| {
+                let e = A::of(e);
+                if e > m {
+                    e
+                } else {
+                    m
+                }
+            })
         })
         .collect()
 }
 
 /// `[sum_j exp(x_j - max) for each row, then the target logit of each row (0 where the
 /// target is ignored or held by another rank)]`.
-fn row_sums<T: WithDType>(x: &[T], v: usize, max: &[f64], t: &CeTargets) -> Vec<f64> {
+fn row_sums<T: WithDType, A: Acc>(x: &[T], v: usize, max: &[A], t: &CeTargets) -> Vec<A> {
     let n = max.len();
-    let mut out = vec![0f64; 2 * n];
+    let mut out = vec![A::ZERO; 2 * n];
     for (r, (row, &m)) in x.chunks_exact(v).zip(max).enumerate() {
-        out[r] = row.iter().map(|&e| (e.to_f64() - m).exp()).sum();
+        out[r] = row.iter().map(|&e| (A::of(e) - m).exp()).sum();
         if let Some(j) = t.local(r) {
-            out[n + r] = row[j].to_f64();
+            out[n + r] = A::of(row[j]);
         }
     }
     out
+}
+
+/// [`reduced_row_stats`] on a typed slice, reducing in `A`.
+fn typed_row_stats<T: WithDType, A: Acc>(
+    x: &[T],
+    v: usize,
+    targets: &CeTargets,
+    comm: &TpComm,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let world = comm.world_size();
+    let mut max: Vec<A> = row_max(x, v);
+    if world > 1 {
+        comm.all_reduce(&mut max, ReduceOp::Max)?;
+    }
+    let mut sums = row_sums(x, v, &max, targets);
+    if world > 1 {
+        comm.all_reduce(&mut sums, ReduceOp::Sum)?;
+    }
+    Ok((
+        max.into_iter().map(A::to_f64).collect(),
+        sums.into_iter().map(A::to_f64).collect(),
+    ))
 }
 
 /// The row maxima and `[sum of exp(logit - max) per row | target logit per row]` of the
@@ -157,16 +198,22 @@ fn reduced_row_stats(
             got: format!("{:?}", logits.device().location()),
         });
     };
-    let world = comm.world_size();
-    let mut max = with_float_slice!(cpu, layout, CE_OP, |x| row_max(x, v));
-    if world > 1 {
-        comm.all_reduce(&mut max, ReduceOp::Max)?;
+    let c = |e| ParallelError::from(e);
+    match cpu {
+        CpuStorage::F32(x) => {
+            typed_row_stats::<_, f32>(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, comm)
+        }
+        CpuStorage::F16(x) => {
+            typed_row_stats::<_, f32>(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, comm)
+        }
+        CpuStorage::BF16(x) => {
+            typed_row_stats::<_, f32>(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, comm)
+        }
+        CpuStorage::F64(x) => {
+            typed_row_stats::<_, f64>(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, comm)
+        }
+        other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), CE_OP).into()),
     }
-    let mut sums = with_float_slice!(cpu, layout, CE_OP, |x| row_sums(x, v, &max, targets));
-    if world > 1 {
-        comm.all_reduce(&mut sums, ReduceOp::Sum)?;
-    }
-    Ok((max, sums))
 }
 
 /// The targets of the rows and this rank's slice of the vocabulary.
@@ -211,7 +258,8 @@ struct CeStats {
 /// it holds). The result is a scalar on every rank, f64 for f64 logits and f32 otherwise.
 /// Backward, with no communication: `(softmax_local - onehot_local) / count` times the
 /// incoming gradient, zero rows for ignored targets. When every target is ignored the loss
-/// and the gradient are 0. Rows are reduced in f64.
+/// and the gradient are 0. Rows are reduced in f32 (f64 for f64 logits), like the dense
+/// kernel, and the mean is taken in f64.
 pub fn vocab_parallel_cross_entropy(
     logits_local: &Tensor,
     targets: &Tensor,
@@ -325,18 +373,20 @@ struct VocabCrossEntropyBwd {
     scale: f64,
 }
 
-fn ce_grad<T: WithDType>(x: &[T], v: usize, st: &CeStats, scale: f64) -> Vec<T> {
+fn ce_grad<T: WithDType, A: Acc>(x: &[T], v: usize, st: &CeStats, scale: f64) -> Vec<T> {
     let mut out = vec![T::zero(); x.len()];
+    let scale_a = A::from_f64(scale);
     for (r, (row, dr)) in x.chunks_exact(v).zip(out.chunks_exact_mut(v)).enumerate() {
         if !st.targets.counted(r) {
             continue;
         }
-        let lse = st.lse[r];
+        let lse = A::from_f64(st.lse[r]);
         for (o, &e) in dr.iter_mut().zip(row) {
-            *o = T::from_f64((e.to_f64() - lse).exp() * scale);
+            *o = T::from_f64(((A::of(e) - lse).exp() * scale_a).to_f64());
         }
         if let Some(j) = st.targets.local(r) {
-            dr[j] = T::from_f64(((row[j].to_f64() - lse).exp() - 1.0) * scale);
+            let p = (A::of(row[j]) - lse).exp().to_f64();
+            dr[j] = T::from_f64((p - 1.0) * scale);
         }
     }
     out
@@ -357,12 +407,22 @@ impl CustomOp1 for VocabCrossEntropyBwd {
                 self.stats.lse.len()
             )));
         }
-        let out = map_float_storage!(s, op, |x| ce_grad(
-            contiguous(x, l, op)?,
-            v,
-            &self.stats,
-            self.scale
-        ));
+        let (st, scale) = (&*self.stats, self.scale);
+        let out = match s {
+            CpuStorage::F32(x) => {
+                CpuStorage::F32(ce_grad::<_, f32>(contiguous(x, l, op)?, v, st, scale))
+            }
+            CpuStorage::F16(x) => {
+                CpuStorage::F16(ce_grad::<_, f32>(contiguous(x, l, op)?, v, st, scale))
+            }
+            CpuStorage::BF16(x) => {
+                CpuStorage::BF16(ce_grad::<_, f32>(contiguous(x, l, op)?, v, st, scale))
+            }
+            CpuStorage::F64(x) => {
+                CpuStorage::F64(ce_grad::<_, f64>(contiguous(x, l, op)?, v, st, scale))
+            }
+            other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), op)),
+        };
         Ok((out, l.shape().clone()))
     }
 }
