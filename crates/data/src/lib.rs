@@ -1,4 +1,45 @@
-//! kiln-data
+//! The data pipeline of kiln: text to token shards, and shards to deterministic, resumable,
+//! prefetched batches for every data-parallel rank.
+//!
+//! - Text to tokens: [`Tokenizer`] (a byte-level BPE trained in-process, saved as
+//!   `tokenizer.json`; GPT-2's r50k_base behind the `gpt2-bpe` feature), [`prepare_corpus`]
+//!   (tokenizer and train/validation shards under a cache folder, idempotent).
+//! - Shards: [`ShardWriter`] / [`write_shard`] write files with a checksummed header
+//!   (atomically); [`Shard`] maps one and validates it, with errors naming the file;
+//!   [`TokenSource`] reads a source's shards as one stream of windows of `ctx + 1` tokens.
+//! - Order: [`DistributedSampler`] (a keyed permutation per epoch, a disjoint slice per rank,
+//!   equal batch counts, [`TailPolicy`]), [`Mixture`] (several sources with weights that can
+//!   change during training), [`SkipSet`] (samples never to yield again).
+//! - Loading: [`DataLoader`] ties them together with worker threads, a bounded channel of staged
+//!   batches, a [`ChunkCache`] of decoded shard chunks over the memory-mapped files, per-sample
+//!   [`Transform`]s ([`TokenDropout`], [`SpanMask`]) and a [`LoaderState`] that resumes bitwise,
+//!   also into another dp size. A failing or stalled worker is an error naming it and the sample.
+//! - Quality: [`PerplexityFilter`] over an [`NgramLm`] (interpolated Kneser-Ney), and a
+//!   [`DriftMonitor`] reporting the KL divergence of recent batches from a reference.
+//!
+//! Every random choice is keyed by (seed, purpose, counters) ([`stream_rng`], [`Permutation`]),
+//! so the batches are a pure function of the configuration and the saved state.
+//!
+//! ```
+//! use kiln_data::{write_shard, DataLoader, LoaderConfig, TokenDtype, TokenSource, Verify};
+//! # fn main() -> kiln_data::Result<()> {
+//! let path = std::env::temp_dir().join(format!("kiln-data-doc-{}.bin", std::process::id()));
+//! write_shard(&path, &(0..101).collect::<Vec<u32>>(), TokenDtype::U16)?;
+//! let source = TokenSource::open("toy", &[&path], Verify::Full)?; // 10 windows of ctx 10
+//! let cfg = LoaderConfig { dp: 2, rank: 1, ..LoaderConfig::new(10, 2) };
+//! let mut loader = DataLoader::new(vec![source.clone()], None, cfg.clone())?;
+//! assert_eq!(loader.batches_per_epoch(), Some(2)); // 10 samples / (2 ranks x 2)
+//! let state = loader.state();
+//! let batch = loader.next_batch()?;
+//! let s = batch.sample_ids[0].index as u32;
+//! assert_eq!(batch.row_inputs(0), (10 * s..10 * s + 10).collect::<Vec<u32>>());
+//! assert_eq!(batch.row_targets(0)[9], 10 * s + 10);
+//! let mut resumed = DataLoader::restore(vec![source], None, cfg, state)?;
+//! assert_eq!(resumed.next_batch()?, batch);
+//! # std::fs::remove_file(&path)?;
+//! # Ok(())
+//! # }
+//! ```
 #![deny(missing_docs)]
 
 mod batch;
