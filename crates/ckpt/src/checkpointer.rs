@@ -5,7 +5,7 @@ use crate::error::{CkptError, Result};
 use crate::gather::agree_step;
 use crate::layout::Layout;
 use crate::load::{
-    decode_with_manifest, latest_agreed, load_agreed, read_manifest, read_verified, Latest, Loaded,
+    into_rank_state, latest_agreed, load_agreed, read_manifest, read_rank_file, Latest, Loaded,
 };
 use crate::manifest::Manifest;
 use crate::policy::{Retention, SavePolicy};
@@ -297,8 +297,8 @@ impl Checkpointer {
             path: crate::save::step_dir(step),
             reason: format!("no file for rank {rank}"),
         })?;
-        let bytes = read_verified(&*self.storage, step, entry)?;
-        let state = decode_with_manifest(&bytes, step, entry)?;
+        let file = read_rank_file(&*self.storage, step, entry)?;
+        let state = into_rank_state(file, entry)?;
         Ok(Loaded {
             step,
             manifest,

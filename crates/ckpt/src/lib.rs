@@ -43,6 +43,7 @@
 #![deny(missing_docs)]
 
 mod checkpointer;
+mod digest;
 mod error;
 mod gather;
 mod layout;
@@ -70,5 +71,5 @@ pub use shard::{FlatShard, Shard, ShardSpec};
 pub use state::{
     KeyReport, LoadOptions, RankState, RngState, StateDict, Stateful, Step, TensorSpec,
 };
-pub use storage::{LocalFs, Storage, StorageWriter};
+pub use storage::{LocalFs, Storage, StorageReader, StorageWriter};
 pub use tensor::{DType, Element, TensorData};

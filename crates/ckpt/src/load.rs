@@ -1,16 +1,23 @@
 //! Reading committed checkpoints back: manifest and file verification, and the agreement
 //! protocol that makes every rank load the same step (or fail together).
 
+use crate::digest::sha256_alongside;
 use crate::error::{CkptError, Result};
 use crate::gather::{all_gather_bytes, broadcast_steps};
 use crate::manifest::{hex, FileEntry, Manifest};
-use crate::rankfile::decode;
+use crate::rankfile::{header_len, parse_header, IndexedTensor};
+use crate::save::WRITE_PIECE;
 use crate::save::{committed_steps, step_dir, MANIFEST_FILE, MANIFEST_SHA_FILE};
 use crate::state::RankState;
+use crate::state::StateDict;
 use crate::storage::Storage;
+use crate::storage::StorageReader;
+use crate::tensor::TensorData;
 use kiln_comm::Communicator;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
 
 /// A checkpoint read back.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,22 +93,98 @@ pub(crate) fn read_manifest(storage: &dyn Storage, step: u64) -> Result<Manifest
     Ok(m)
 }
 
-/// Reads one rank file and checks its size and sha256 against the manifest.
-pub(crate) fn read_verified(
+/// A rank file read back and verified against its manifest entry.
+pub(crate) struct VerifiedFile {
+    /// Each part's metadata.
+    pub meta: BTreeMap<String, BTreeMap<String, Value>>,
+    /// Tensors by full name `<part>/<name>`.
+    pub tensors: BTreeMap<String, TensorData>,
+}
+
+/// After a header that does not parse: reads the rest of the file and reports a checksum
+/// mismatch if there is one (the file was damaged), else the parse error.
+fn damaged(
+    r: &mut dyn StorageReader,
+    head: &[u8],
+    size: usize,
+    entry: &FileEntry,
+    path: &str,
+    parse_error: CkptError,
+) -> CkptError {
+    let mut h = Sha256::new();
+    h.update(head);
+    let mut left = size.saturating_sub(head.len());
+    let mut buf = vec![0u8; left.min(WRITE_PIECE)];
+    while left > 0 {
+        let n = left.min(buf.len());
+        if let Err(e) = r.read_exact(&mut buf[..n]) {
+            return e;
+        }
+        h.update(&buf[..n]);
+        left -= n;
+    }
+    let got = hex(&h.finalize());
+    if got != entry.sha256 {
+        return CkptError::Checksum {
+            path: path.to_string(),
+            expected: entry.sha256.clone(),
+            got,
+        };
+    }
+    parse_error
+}
+
+/// Reads rank file `entry` of checkpoint `step` straight into one buffer per tensor, hashing
+/// on a second thread as it reads, and checks size, sha256 and the manifest's tensor list.
+pub(crate) fn read_rank_file(
     storage: &dyn Storage,
     step: u64,
     entry: &FileEntry,
-) -> Result<Vec<u8>> {
+) -> Result<VerifiedFile> {
     let path = format!("{}/{}", step_dir(step), entry.path);
-    let bytes = storage.get(&path)?;
-    if bytes.len() as u64 != entry.size {
+    let mut r = storage.open(&path)?;
+    if r.size() != entry.size {
         return Err(CkptError::SizeMismatch {
             path,
             expected: entry.size,
-            got: bytes.len() as u64,
+            got: r.size(),
         });
     }
-    let got = hex(&Sha256::digest(&bytes));
+    let size = usize::try_from(entry.size).map_err(|_| CkptError::Format {
+        path: path.clone(),
+        reason: format!("{} bytes do not fit in memory", entry.size),
+    })?;
+    let mut head = vec![0u8; 8.min(size)];
+    r.read_exact(&mut head)?;
+    let n = match header_len(&head, size, &path) {
+        Ok(n) => n,
+        Err(e) => return Err(damaged(&mut *r, &head, size, entry, &path, e)),
+    };
+    head.resize(8 + n, 0);
+    r.read_exact(&mut head[8..])?;
+    let idx = match parse_header(&head, size, &path) {
+        Ok(i) => i,
+        Err(e) => return Err(damaged(&mut *r, &head, size, entry, &path, e)),
+    };
+    let mut order: Vec<(String, IndexedTensor)> = idx.tensors.into_iter().collect();
+    order.sort_by_key(|(_, t)| t.range.start);
+    let mut bufs: Vec<Vec<u8>> = order
+        .iter()
+        .map(|(_, t)| vec![0u8; t.range.len()])
+        .collect();
+    let head_ref = &head;
+    let bufs_ref = &mut bufs;
+    let ((), got) = sha256_alongside(|sink| {
+        sink.feed(head_ref);
+        for buf in bufs_ref {
+            let slice: &mut [u8] = buf.as_mut_slice();
+            for piece in slice.chunks_mut(WRITE_PIECE) {
+                r.read_exact(piece)?;
+                sink.feed(piece);
+            }
+        }
+        Ok(())
+    })?;
     if got != entry.sha256 {
         return Err(CkptError::Checksum {
             path,
@@ -109,58 +192,60 @@ pub(crate) fn read_verified(
             got,
         });
     }
-    Ok(bytes)
-}
-
-/// Decodes a verified rank file and attaches the manifest's shards, checking that the file
-/// holds exactly the tensors the manifest lists.
-pub(crate) fn decode_with_manifest(
-    bytes: &[u8],
-    step: u64,
-    entry: &FileEntry,
-) -> Result<RankState> {
-    let path = format!("{}/{}", step_dir(step), entry.path);
-    let mut state = decode(bytes, &path)?;
     let mismatch = |reason: String| CkptError::Manifest {
         path: path.clone(),
         reason,
     };
-    let mut seen = 0usize;
-    let names: Vec<String> = state.part_names().map(str::to_string).collect();
-    for part in names {
-        let Some(sd) = state.part_mut(&part) else {
+    if order.len() != entry.tensors.len() {
+        return Err(mismatch(format!(
+            "the manifest lists {} tensors, the file holds {}",
+            entry.tensors.len(),
+            order.len()
+        )));
+    }
+    let mut tensors = BTreeMap::new();
+    for ((full, t), buf) in order.into_iter().zip(bufs) {
+        let Some(e) = entry.tensors.get(&full) else {
+            return Err(mismatch(format!(
+                "file holds {full}, which the manifest lacks"
+            )));
+        };
+        if t.dtype != e.dtype || t.shape != e.shape {
+            return Err(mismatch(format!(
+                "{full} is {} {:?} in the file but {} {:?} in the manifest",
+                t.dtype, t.shape, e.dtype, e.shape
+            )));
+        }
+        let td = TensorData::new(t.dtype, t.shape, buf).map_err(|e| e.named(&full))?;
+        tensors.insert(full, td);
+    }
+    Ok(VerifiedFile {
+        meta: idx.meta,
+        tensors,
+    })
+}
+
+/// This rank's state from its verified file, with the manifest's shards attached.
+pub(crate) fn into_rank_state(file: VerifiedFile, entry: &FileEntry) -> Result<RankState> {
+    let mut parts: BTreeMap<String, StateDict> = BTreeMap::new();
+    for (part, meta) in file.meta {
+        let mut sd = StateDict::new();
+        *sd.meta_map_mut() = meta;
+        parts.insert(part, sd);
+    }
+    for (full, t) in file.tensors {
+        let Some((part, name)) = full.split_once('/') else {
             continue;
         };
-        let tensor_names: Vec<String> = sd.names().map(str::to_string).collect();
-        for n in tensor_names {
-            let full = format!("{part}/{n}");
-            let Some(e) = entry.tensors.get(&full) else {
-                return Err(mismatch(format!(
-                    "file holds {full}, which the manifest lacks"
-                )));
-            };
-            seen += 1;
-            let Some(t) = sd.remove(&n) else { continue };
-            if t.dtype() != e.dtype || t.shape() != e.shape {
-                return Err(mismatch(format!(
-                    "{full} is {} {:?} in the file but {} {:?} in the manifest",
-                    t.dtype(),
-                    t.shape(),
-                    e.dtype,
-                    e.shape
-                )));
-            }
-            match &e.shard {
-                Some(s) => sd.insert_sharded(&n, t, s.clone())?,
-                None => sd.insert(&n, t)?,
-            }
+        let sd = parts.entry(part.to_string()).or_default();
+        match entry.tensors.get(&full).and_then(|e| e.shard.clone()) {
+            Some(s) => sd.insert_sharded(name, t, s)?,
+            None => sd.insert(name, t)?,
         }
     }
-    if seen != entry.tensors.len() {
-        return Err(mismatch(format!(
-            "the manifest lists {} tensors, the file holds {seen}",
-            entry.tensors.len()
-        )));
+    let mut state = RankState::new();
+    for (part, sd) in parts {
+        state.insert(&part, sd)?;
     }
     Ok(state)
 }

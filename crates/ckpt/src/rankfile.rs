@@ -161,17 +161,60 @@ pub(crate) struct FileIndex {
     pub tensors: BTreeMap<String, IndexedTensor>,
 }
 
-/// Parses and validates a rank file's header against the file's length.
-pub(crate) fn index(bytes: &[u8], path: &str) -> Result<FileIndex> {
+/// The safetensors crate's limit on the header size.
+const MAX_HEADER: usize = 100_000_000;
+
+/// The header length a rank file's first 8 bytes declare, checked against the file length.
+pub(crate) fn header_len(first8: &[u8], file_len: usize, path: &str) -> Result<usize> {
     let format = |reason: String| CkptError::Format {
         path: path.to_string(),
         reason,
     };
-    let (n, metadata) =
-        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| format(e.to_string()))?;
-    let data_start = n
-        .checked_add(8)
-        .ok_or_else(|| format("header length overflows".to_string()))?;
+    let arr: [u8; 8] = first8
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| {
+            format(format!(
+                "{file_len} bytes cannot hold the 8-byte header length"
+            ))
+        })?;
+    let n = u64::from_le_bytes(arr);
+    if n > MAX_HEADER as u64 {
+        return Err(format(format!("header length {n} exceeds {MAX_HEADER}")));
+    }
+    let n = n as usize;
+    if n + 8 > file_len {
+        return Err(format(format!(
+            "header of {n} bytes runs past the end of a {file_len}-byte file"
+        )));
+    }
+    Ok(n)
+}
+
+/// Parses and validates a rank file's header (`prefix` holds at least its first
+/// `8 + header length` bytes) against the file's total length. Validation is the
+/// safetensors crate's (`Metadata` deserialization checks dtypes, shapes and contiguous
+/// offsets); the data must end exactly at the end of the file.
+pub(crate) fn parse_header(prefix: &[u8], file_len: usize, path: &str) -> Result<FileIndex> {
+    let format = |reason: String| CkptError::Format {
+        path: path.to_string(),
+        reason,
+    };
+    let n = header_len(prefix, file_len, path)?;
+    let header = prefix
+        .get(8..8 + n)
+        .ok_or_else(|| format("header is cut short".to_string()))?;
+    let text = std::str::from_utf8(header).map_err(|e| format(format!("header: {e}")))?;
+    let metadata: safetensors::tensor::Metadata =
+        serde_json::from_str(text).map_err(|e| format(format!("header: {e}")))?;
+    let data_start = 8 + n;
+    if data_start.checked_add(metadata.data_len()) != Some(file_len) {
+        return Err(format(format!(
+            "header describes {} data bytes but the file holds {}",
+            metadata.data_len(),
+            file_len - data_start
+        )));
+    }
     let mut out = FileIndex::default();
     if let Some(meta) = metadata.metadata() {
         if let Some(v) = meta.get(FORMAT_KEY) {
@@ -215,7 +258,7 @@ pub(crate) fn index(bytes: &[u8], path: &str) -> Result<FileIndex> {
         let range = data_start
             .checked_add(s)
             .zip(data_start.checked_add(e))
-            .filter(|&(a, b)| a <= b && b <= bytes.len())
+            .filter(|&(a, b)| a <= b && b <= file_len)
             .map(|(a, b)| a..b)
             .ok_or_else(|| format(format!("tensor {full}: offsets {s}..{e} out of range")))?;
         out.tensors.insert(
@@ -232,7 +275,7 @@ pub(crate) fn index(bytes: &[u8], path: &str) -> Result<FileIndex> {
 
 /// [`decode_rank_file`] naming `path` in errors.
 pub(crate) fn decode(bytes: &[u8], path: &str) -> Result<RankState> {
-    let idx = index(bytes, path)?;
+    let idx = parse_header(bytes, bytes.len(), path)?;
     let format = |reason: String| CkptError::Format {
         path: path.to_string(),
         reason,
@@ -358,10 +401,16 @@ mod tests {
     #[test]
     fn malformed_inputs_are_errors() {
         let good = encode_rank_file(&sample()).unwrap();
+        assert!(safetensors::SafeTensors::read_metadata(&good).is_ok());
         for cut in 0..good.len() {
             let e = decode_rank_file(&good[..cut]).unwrap_err();
             assert!(matches!(e, CkptError::Format { .. }), "cut {cut}: {e}");
+            // the safetensors crate's own reader agrees
+            assert!(safetensors::SafeTensors::read_metadata(&good[..cut]).is_err());
         }
+        let mut longer = good.clone();
+        longer.push(0);
+        assert!(decode_rank_file(&longer).is_err());
         // a newer version
         let mut m = BTreeMap::new();
         m.insert(FORMAT_KEY.to_string(), "2".to_string());

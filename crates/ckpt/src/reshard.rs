@@ -4,9 +4,8 @@
 
 use crate::error::{CkptError, Result};
 use crate::layout::Layout;
-use crate::load::read_verified;
+use crate::load::{read_rank_file, VerifiedFile};
 use crate::manifest::Manifest;
-use crate::rankfile::{index, FileIndex};
 use crate::save::step_dir;
 use crate::shard::Shard;
 use crate::state::{RankState, StateDict};
@@ -233,45 +232,26 @@ pub(crate) fn overlaps(
     out
 }
 
-/// Verified, indexed rank files, read on first use.
+/// Verified rank files, read on first use.
 struct Files<'a> {
     storage: &'a dyn Storage,
     manifest: &'a Manifest,
     step: u64,
-    loaded: BTreeMap<usize, (Vec<u8>, FileIndex)>,
+    loaded: BTreeMap<usize, VerifiedFile>,
 }
 
 impl Files<'_> {
-    fn get(&mut self, rank: usize) -> Result<&(Vec<u8>, FileIndex)> {
-        if !self.loaded.contains_key(&rank) {
-            let entry = self
-                .manifest
-                .file(rank)
-                .ok_or_else(|| CkptError::Manifest {
-                    path: step_dir(self.step),
-                    reason: format!("no file for rank {rank}"),
-                })?;
-            let bytes = read_verified(self.storage, self.step, entry)?;
-            let path = format!("{}/{}", step_dir(self.step), entry.path);
-            let idx = index(&bytes, &path)?;
-            for (name, t) in &entry.tensors {
-                let ok = idx
-                    .tensors
-                    .get(name)
-                    .is_some_and(|i| i.dtype == t.dtype && i.shape == t.shape);
-                if !ok {
-                    return Err(CkptError::Manifest {
-                        path,
-                        reason: format!("{name} in the manifest does not match the file"),
-                    });
-                }
-            }
-            self.loaded.insert(rank, (bytes, idx));
-        }
-        self.loaded.get(&rank).ok_or_else(|| CkptError::Manifest {
+    fn get(&mut self, rank: usize) -> Result<&VerifiedFile> {
+        let missing = || CkptError::Manifest {
             path: step_dir(self.step),
             reason: format!("no file for rank {rank}"),
-        })
+        };
+        if !self.loaded.contains_key(&rank) {
+            let entry = self.manifest.file(rank).ok_or_else(missing)?;
+            let file = read_rank_file(self.storage, self.step, entry)?;
+            self.loaded.insert(rank, file);
+        }
+        self.loaded.get(&rank).ok_or_else(missing)
     }
 }
 
@@ -303,15 +283,14 @@ fn assemble(
         if copies.is_empty() {
             continue;
         }
-        let (bytes, idx) = files.get(*rank)?;
-        let range = idx
+        let data = files
+            .get(*rank)?
             .tensors
             .get(name)
-            .map(|t| t.range.clone())
             .ok_or_else(|| CkptError::MissingTensor {
                 name: name.to_string(),
-            })?;
-        let data = bytes.get(range).unwrap_or_default();
+            })?
+            .bytes();
         for (s, d, l) in copies {
             let (s, d, l) = (s * esize, d * esize, l * esize);
             let (Some(from), Some(to)) = (data.get(s..s + l), out.get_mut(d..d + l)) else {
@@ -370,7 +349,7 @@ pub(crate) fn load_resharded_local(
         loaded: BTreeMap::new(),
     };
     let mut parts: BTreeMap<String, StateDict> = BTreeMap::new();
-    for (part, meta) in &files.get(req.meta_rank)?.1.meta {
+    for (part, meta) in &files.get(req.meta_rank)?.meta {
         let mut sd = StateDict::new();
         *sd.meta_map_mut() = meta.clone();
         parts.insert(part.clone(), sd);

@@ -2,6 +2,7 @@
 //! sha256 and tensors to rank 0, which writes the manifest, renames the directory to
 //! `step-N/` (the commit), updates the `latest` pointer and applies retention.
 
+use crate::digest::sha256_alongside;
 use crate::error::{CkptError, Result};
 use crate::gather::{all_gather_bytes, broadcast_ok};
 use crate::layout::Layout;
@@ -24,9 +25,9 @@ pub const MANIFEST_SHA_FILE: &str = "manifest.sha256";
 /// The pointer file at the storage root naming the latest committed directory.
 pub const LATEST_FILE: &str = "latest";
 
-/// Bytes hashed and written per call: large enough for throughput, small enough to hash
+/// Bytes hashed and written (or read) per call: large enough for throughput, small enough to hash
 /// while the bytes are still in cache.
-const WRITE_PIECE: usize = 4 << 20;
+pub(crate) const WRITE_PIECE: usize = 4 << 20;
 
 /// The directory of a committed checkpoint.
 pub fn step_dir(step: u64) -> String {
@@ -106,13 +107,15 @@ fn write_rank_file(
     let enc = encode(state)?;
     let name = rank_file_name(rank);
     let mut w = storage.create(&format!("{dir}/{name}"))?;
-    let mut h = Sha256::new();
-    for chunk in enc.chunks() {
-        for piece in chunk.chunks(WRITE_PIECE) {
-            h.update(piece);
-            w.write(piece)?;
+    let ((), sha256) = sha256_alongside(|sink| {
+        for chunk in enc.chunks() {
+            for piece in chunk.chunks(WRITE_PIECE) {
+                sink.feed(piece);
+                w.write(piece)?;
+            }
         }
-    }
+        Ok(())
+    })?;
     w.finish()?;
     let mut tensors = BTreeMap::new();
     for (part, sd) in state.parts() {
@@ -131,7 +134,7 @@ fn write_rank_file(
         rank,
         path: name,
         size: enc.len() as u64,
-        sha256: hex(&h.finalize()),
+        sha256,
         tensors,
     })
 }

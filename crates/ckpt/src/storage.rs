@@ -19,6 +19,15 @@ pub trait StorageWriter: Send {
     fn finish(self: Box<Self>) -> Result<()>;
 }
 
+/// A file being read sequentially.
+pub trait StorageReader: Send {
+    /// Total size of the file in bytes.
+    fn size(&self) -> u64;
+    /// Fills `buf` from the current position; fewer bytes left than `buf.len()` is an
+    /// error.
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<()>;
+}
+
 /// The operations a checkpoint needs from its storage.
 ///
 /// Durability contract (what [`crate::Checkpointer`] relies on for atomic commits):
@@ -33,8 +42,21 @@ pub trait Storage: Send + Sync {
     /// parent directories.
     fn create(&self, path: &str) -> Result<Box<dyn StorageWriter>>;
 
+    /// Opens a file for sequential reading; a missing file is [`CkptError::NotFound`].
+    fn open(&self, path: &str) -> Result<Box<dyn StorageReader>>;
+
     /// Reads a whole file; a missing file is [`CkptError::NotFound`].
-    fn get(&self, path: &str) -> Result<Vec<u8>>;
+    fn get(&self, path: &str) -> Result<Vec<u8>> {
+        let mut r = self.open(path)?;
+        let n = usize::try_from(r.size()).map_err(|_| CkptError::File {
+            op: "read",
+            path: path.to_string(),
+            source: io::Error::other("file too large for memory"),
+        })?;
+        let mut buf = vec![0u8; n];
+        r.read_exact(&mut buf)?;
+        Ok(buf)
+    }
 
     /// Size of a file in bytes; a missing file is [`CkptError::NotFound`].
     fn size(&self, path: &str) -> Result<u64>;
@@ -154,7 +176,33 @@ impl StorageWriter for LocalWriter {
     }
 }
 
+struct LocalReader {
+    file: File,
+    size: u64,
+    path: String,
+}
+
+impl StorageReader for LocalReader {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<()> {
+        io::Read::read_exact(&mut self.file, buf).map_err(|e| io_err("read", &self.path, e))
+    }
+}
+
 impl Storage for LocalFs {
+    fn open(&self, path: &str) -> Result<Box<dyn StorageReader>> {
+        let file = File::open(self.resolve(path)?).map_err(|e| io_err("open", path, e))?;
+        let size = file.metadata().map_err(|e| io_err("stat", path, e))?.len();
+        Ok(Box::new(LocalReader {
+            file,
+            size,
+            path: path.to_string(),
+        }))
+    }
+
     fn create(&self, path: &str) -> Result<Box<dyn StorageWriter>> {
         if path.is_empty() {
             return Err(CkptError::BadPath {
@@ -170,10 +218,6 @@ impl Storage for LocalFs {
             file,
             path: path.to_string(),
         }))
-    }
-
-    fn get(&self, path: &str) -> Result<Vec<u8>> {
-        fs::read(self.resolve(path)?).map_err(|e| io_err("read", path, e))
     }
 
     fn size(&self, path: &str) -> Result<u64> {

@@ -2,7 +2,9 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use half::{bf16, f16};
-use kiln_ckpt::{CkptError, LocalFs, RankState, Result, StateDict, Step, Storage, StorageWriter};
+use kiln_ckpt::{
+    CkptError, LocalFs, RankState, Result, StateDict, Step, Storage, StorageReader, StorageWriter,
+};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -141,8 +143,8 @@ impl Storage for FailingStorage {
             path: path.to_string(),
         }))
     }
-    fn get(&self, path: &str) -> Result<Vec<u8>> {
-        self.inner.get(path)
+    fn open(&self, path: &str) -> Result<Box<dyn StorageReader>> {
+        self.inner.open(path)
     }
     fn size(&self, path: &str) -> Result<u64> {
         self.inner.size(path)

@@ -1,0 +1,186 @@
+//! Checkpoint throughput on this machine: save and load GB/s of a 100M-parameter f32 state
+//! (one rank, and split over four thread ranks) against a plain sequential write and read of
+//! the same bytes in the same run, and how long the training loop stalls for an async save
+//! versus a sync one. Prints one JSON line per measurement (median of `--reps` runs).
+//!
+//! ```text
+//! cargo run --release -p kiln-ckpt --example bench_ckpt
+//! cargo run --release -p kiln-ckpt --example bench_ckpt -- --params 10000000 --reps 3
+//! ```
+//!
+//! Files go to a fresh directory under the system temp dir, removed at the end.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use kiln_ckpt::{
+    CheckpointConfig, Checkpointer, DType, Layout, LocalFs, RankState, Retention, StateDict,
+    Stateful, Storage, TensorSpec,
+};
+use kiln_comm::{spawn, Communicator};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// A model as the training loop holds it: one flat f32 parameter buffer.
+struct Flat {
+    w: Vec<f32>,
+}
+
+impl Stateful for Flat {
+    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+        let mut sd = StateDict::new();
+        sd.put("flat", &[self.w.len()], &self.w)?;
+        Ok(sd)
+    }
+    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+        state.read_into("flat", &mut self.w)
+    }
+    /// Describes the state without copying it.
+    fn state_spec(&self) -> kiln_ckpt::Result<BTreeMap<String, TensorSpec>> {
+        let spec = TensorSpec {
+            dtype: DType::F32,
+            shape: vec![self.w.len()],
+        };
+        Ok([("flat".to_string(), spec)].into())
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn line(what: &str, ranks: usize, bytes: u64, secs: f64, extra: &str) {
+    println!(
+        "{{\"bench\":\"ckpt\",\"what\":\"{what}\",\"ranks\":{ranks},\"bytes\":{bytes},\"secs\":{secs:.4},\"gb_per_s\":{:.3}{extra}}}",
+        bytes as f64 / secs / 1e9
+    );
+}
+
+/// Writes `bytes` to `path` sequentially in 4 MiB pieces and fsyncs, as a plain baseline.
+fn plain_write(path: &Path, bytes: &[u8]) -> f64 {
+    let t = Instant::now();
+    let mut f = std::fs::File::create(path).unwrap();
+    for piece in bytes.chunks(4 << 20) {
+        f.write_all(piece).unwrap();
+    }
+    f.sync_all().unwrap();
+    t.elapsed().as_secs_f64()
+}
+
+fn params_of(rank: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7 + rank) % 1000) as f32 * 1e-3)
+        .collect()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |name: &str, default: usize| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .map_or(default, |v| v.parse().expect("a number"))
+    };
+    let params = arg("--params", 100_000_000);
+    let reps = arg("--reps", 3).max(1);
+    let root: PathBuf =
+        std::env::temp_dir().join(format!("kiln-bench-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+
+    for ranks in [1usize, 4] {
+        let dir = root.join(format!("ckpt-{ranks}"));
+        let storage: Arc<dyn Storage> = Arc::new(LocalFs::new(&dir).unwrap());
+        let per_rank = params / ranks;
+        let layout = Layout::new(ranks, 1, 0).unwrap();
+        let cfg = CheckpointConfig::new(layout, "bench").with_retention(Retention::keep_last(1));
+        let results = spawn(ranks, |comm| {
+            let mut ck = Checkpointer::new(Arc::clone(&storage), cfg.clone())?;
+            let mut model = Flat {
+                w: params_of(comm.rank(), per_rank),
+            };
+            let mut t: [Vec<f64>; 7] = Default::default();
+            let [save, load, sync_stall, async_stall, async_wait, plain_w, plain_r] = &mut t;
+            let plain_path = root.join(format!("plain-{ranks}-{}.bin", comm.rank()));
+            let mut step = 0u64;
+            for _ in 0..reps {
+                // baseline under the same conditions: this rank's bytes as one plain file
+                comm.barrier()?;
+                let buf: Vec<u8> = model.w.iter().flat_map(|x| x.to_le_bytes()).collect();
+                plain_w.push(plain_write(&plain_path, &buf));
+                comm.barrier()?;
+                let t_read = Instant::now();
+                let back = std::fs::read(&plain_path).unwrap();
+                plain_r.push(t_read.elapsed().as_secs_f64());
+                assert_eq!(back.len(), buf.len());
+                drop((back, buf));
+                std::fs::remove_file(&plain_path).unwrap();
+                comm.barrier()?;
+
+                // sync save: the loop is blocked for the copy and the whole write
+                step += 1;
+                comm.barrier()?;
+                let t = Instant::now();
+                let mut st = RankState::new();
+                st.capture("model", &model)?;
+                let copy = t.elapsed().as_secs_f64();
+                let t_save = Instant::now();
+                ck.save(&comm, step, &st)?;
+                let saved = t_save.elapsed().as_secs_f64();
+                drop(st);
+                comm.barrier()?;
+                save.push(saved);
+                sync_stall.push(copy + saved);
+
+                // async save: the loop is blocked only for the copy and the hand-off
+                step += 1;
+                comm.barrier()?;
+                let t = Instant::now();
+                let mut st = RankState::new();
+                st.capture("model", &model)?;
+                ck.save_async(&comm, step, st)?;
+                async_stall.push(t.elapsed().as_secs_f64());
+                let t_wait = Instant::now();
+                ck.wait()?;
+                async_wait.push(t_wait.elapsed().as_secs_f64());
+                comm.barrier()?;
+
+                // load the last checkpoint back into the model
+                comm.barrier()?;
+                let t = Instant::now();
+                let loaded = ck.load_step(&comm, step)?;
+                loaded
+                    .state
+                    .restore_all(&mut [("model", &mut model)], Default::default())?;
+                load.push(t.elapsed().as_secs_f64());
+                comm.barrier()?;
+            }
+            Ok::<_, kiln_ckpt::CkptError>(t)
+        })
+        .unwrap();
+        // the slowest rank bounds each collective operation
+        let worst = |k: usize| {
+            median(
+                (0..reps)
+                    .map(|i| results.iter().map(|r| r[k][i]).fold(0.0, f64::max))
+                    .collect(),
+            )
+        };
+        let total = (per_rank * ranks * 4) as u64;
+        line("plain_write_fsync", ranks, total, worst(5), "");
+        line("ckpt_save_sync", ranks, total, worst(0), "");
+        line("plain_read", ranks, total, worst(6), "");
+        line("ckpt_load_verified", ranks, total, worst(1), "");
+        let (ss, asy, aw) = (worst(2), worst(3), worst(4));
+        println!(
+            "{{\"bench\":\"ckpt\",\"what\":\"loop_stall\",\"ranks\":{ranks},\"bytes\":{total},\"sync_stall_ms\":{:.1},\"async_stall_ms\":{:.1},\"async_write_after_return_ms\":{:.1}}}",
+            ss * 1e3,
+            asy * 1e3,
+            aw * 1e3
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
