@@ -48,8 +48,9 @@ pub struct LoaderConfig {
 }
 
 impl LoaderConfig {
-    /// Defaults for one rank: seed 0, drop the tail, 2 workers, 8 batches staged, 60 s stall
-    /// timeout, 64 chunks of 64 Ki tokens cached, resharding allowed.
+    /// Defaults for one rank: seed 0, drop the tail, 1 worker (one keeps up with tens of
+    /// millions of tokens per second; see `examples/bench_data.rs`), 8 batches staged, 60 s
+    /// stall timeout, 64 chunks of 64 Ki tokens cached, resharding allowed.
     pub fn new(ctx: usize, batch_size: usize) -> Self {
         LoaderConfig {
             ctx,
@@ -58,7 +59,7 @@ impl LoaderConfig {
             rank: 0,
             seed: 0,
             tail: TailPolicy::Drop,
-            workers: 2,
+            workers: 1,
             prefetch: 8,
             stall_timeout: Duration::from_secs(60),
             chunk_tokens: 1 << 16,
