@@ -11,7 +11,15 @@
 //!   file's sha256, committed by an atomic directory rename; [`Checkpointer::load_latest`]
 //!   never returns an uncommitted or damaged checkpoint and reports what it skipped.
 //!   [`SavePolicy`] says when to save, [`Retention`] what to keep.
-//! - [`Storage`]: where checkpoints live ([`LocalFs`] with fsync of files and directories).
+//! - Resharding: [`Checkpointer::load_resharded`] loads a checkpoint saved with any layout
+//!   (ZeRO flat shards, tensor-parallel dim shards, replicas) into the slices a
+//!   [`ReshardRequest`] asks for ([`Want`]), bitwise.
+//! - [`Storage`]: where checkpoints live ([`LocalFs`] with fsync of files and directories;
+//!   an object store fits the same trait).
+//! - The file format: rank files are plain safetensors (tensors `<part>/<name>`, part
+//!   metadata as JSON strings in `__metadata__`), readable by Python's `safetensors`;
+//!   [`encode_rank_file`] / [`decode_rank_file`] and [`Manifest::from_json`] are the
+//!   (fuzzed) parsers.
 //! - Errors are [`CkptError`]; malformed files and manifests are typed errors, never panics.
 //!
 //! ```

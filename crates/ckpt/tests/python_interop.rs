@@ -202,3 +202,62 @@ fn python_safetensors_reads_our_files() {
         assert_eq!(file["tensors"].as_object().unwrap().len(), count);
     }
 }
+
+/// The other direction: a file written by Python's `safetensors.numpy.save_file` (with
+/// kiln's naming and metadata conventions) decodes to the values Python wrote.
+#[test]
+fn we_read_files_python_wrote() {
+    if let Err(why) = python_ready() {
+        eprintln!("SKIPPED we_read_files_python_wrote: {why} (pip install safetensors numpy)");
+        return;
+    }
+    let dir = TempDir::new("python-writes");
+    let path = dir.path("py.safetensors");
+    let script = r#"
+import json, sys
+import numpy as np
+from safetensors.numpy import save_file
+t = {
+    "model/w": (np.arange(6, dtype=np.float32) * 0.5 - 1.0).reshape(2, 3),
+    "model/layers/0/h": np.array([0.25, -3.0], dtype=np.float16),
+    "optim/m": np.array([1e-300, -2.5], dtype=np.float64),
+    "optim/t": np.array(12345678901234, dtype=np.int64),
+    "optim/ids": np.array([4294967295, 0], dtype=np.uint32),
+    "optim/mask": np.array([0, 1, 255], dtype=np.uint8),
+}
+save_file(t, sys.argv[1], metadata={"__kiln_format__": "1", "model": json.dumps({"d": 3}), "rng": json.dumps({"counter": 9})})
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script, path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let state = kiln_ckpt::decode_rank_file(&std::fs::read(&path).unwrap()).unwrap();
+    let model = state.part("model").unwrap();
+    assert_eq!(
+        model.get_shaped::<f32>("w", &[2, 3]).unwrap(),
+        [-1.0, -0.5, 0.0, 0.5, 1.0, 1.5]
+    );
+    assert_eq!(
+        model.get::<half::f16>("layers/0/h").unwrap(),
+        [half::f16::from_f32(0.25), half::f16::from_f32(-3.0)]
+    );
+    assert_eq!(model.meta::<u32>("d").unwrap(), 3);
+    let optim = state.part("optim").unwrap();
+    assert_eq!(optim.get::<f64>("m").unwrap(), [1e-300, -2.5]);
+    assert_eq!(
+        optim.get_shaped::<i64>("t", &[]).unwrap(),
+        [12_345_678_901_234]
+    );
+    assert_eq!(optim.get::<u32>("ids").unwrap(), [u32::MAX, 0]);
+    assert_eq!(optim.get::<u8>("mask").unwrap(), [0, 1, 255]);
+    assert_eq!(
+        state.part("rng").unwrap().meta::<u64>("counter").unwrap(),
+        9
+    );
+    assert_eq!(state.part("rng").unwrap().len(), 0);
+}
