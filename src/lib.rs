@@ -1,9 +1,17 @@
 //! kiln: reusable Rust libraries for training large language models.
 //!
-//! This facade re-exports each of kiln's crates as a module, so a project can depend on `kiln`
-//! alone:
+//! This facade re-exports each of kiln's crates as a module (each behind a cargo feature of
+//! the same name, all on by default), so a project can depend on `kiln` alone:
 //!
 //! - [`comm`]: the `Communicator` trait, the thread backend and the collectives.
+//! - `precision`: precision policy, loss scaling, non-finite checks.
+//! - `optim`: AdamW on flat f32 shards, learning-rate schedules, global-norm clipping.
+//! - `memory`: the segmented executor, activation checkpointing, memory estimates.
+//! - `model`: the GPT-3-style decoder and its trainable fused ops.
+//! - `parallel`: data parallel, ZeRO stages 1-3, tensor parallel.
+//! - `data`: tokenizer, token shards, distributed sampler, mixture, quality filters, prefetch.
+//! - `ckpt`: sharded, atomic, checksummed checkpoints with resharding.
+//! - `monitor`: metrics, sinks (JSONL, console, TensorBoard, PNG), detectors, circuit breaker.
 //!
 //! ```
 //! use kiln::comm::{spawn, CommExt, Communicator, ReduceOp};
@@ -12,4 +20,20 @@
 //! ```
 #![deny(missing_docs)]
 
+#[cfg(feature = "ckpt")]
+pub use kiln_ckpt as ckpt;
 pub use kiln_comm as comm;
+#[cfg(feature = "data")]
+pub use kiln_data as data;
+#[cfg(feature = "memory")]
+pub use kiln_memory as memory;
+#[cfg(feature = "model")]
+pub use kiln_model as model;
+#[cfg(feature = "monitor")]
+pub use kiln_monitor as monitor;
+#[cfg(feature = "optim")]
+pub use kiln_optim as optim;
+#[cfg(feature = "parallel")]
+pub use kiln_parallel as parallel;
+#[cfg(feature = "precision")]
+pub use kiln_precision as precision;

@@ -154,6 +154,16 @@ pub trait Communicator: Send + Sync {
     fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>>;
 }
 
+impl fmt::Debug for dyn Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Communicator")
+            .field("backend", &self.backend())
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .finish()
+    }
+}
+
 /// Typed helpers over [`Communicator`], implemented for every communicator (boxed or not).
 pub trait CommExt: Communicator {
     /// All-reduce a typed slice in place.

@@ -99,6 +99,15 @@ pub enum ModelError {
         /// The number of blocks.
         n_blocks: usize,
     },
+    /// A parameter the call needs was not supplied by its parameter source.
+    #[error("parameter {name} was not supplied")]
+    MissingParameter {
+        /// The parameter name.
+        name: String,
+    },
+    /// A tensor-parallel operation failed.
+    #[error(transparent)]
+    Parallel(#[from] kiln_parallel::ParallelError),
     /// Generation was asked to continue an empty prompt.
     #[error("generate: the prompt is empty")]
     EmptyPrompt,

@@ -40,7 +40,9 @@ mod kernel;
 mod linear;
 mod model;
 pub mod ops;
+mod params;
 pub mod reference;
+mod tp;
 
 pub use config::{GptConfig, PRESET_NAMES};
 pub use error::{ModelError, Result};
@@ -51,3 +53,5 @@ pub use linear::{
     ParallelStyle,
 };
 pub use model::{Gpt, GptOptions, Segment};
+pub use params::ParamSource;
+pub use tp::{TensorParallelFactory, TpLinear};

@@ -4,6 +4,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::init::{Init, Initializer};
+use crate::params::ParamSource;
 use candle_core::{Tensor, Var};
 
 /// Which projection of a block a linear layer is; tells a tensor-parallel factory how to split.
@@ -60,13 +61,22 @@ pub struct LinearSpec {
 /// A linear layer `y = x W^T + b` over the last dimension.
 pub trait LinearLayer: Send + Sync + std::fmt::Debug {
     /// Applies the layer to `x` of shape `[.., in]`, computing in `x`'s dtype (the layer casts
-    /// its weights, differentiably, when they are stored in another dtype).
-    fn forward(&self, x: &Tensor) -> Result<Tensor>;
-    /// `gelu(self.forward(x))`, the MLP's first layer and activation; implementations may
-    /// fuse the bias add into the activation ([`DenseLinear`] does, with
+    /// its weights, differentiably, when they are stored in another dtype), with the weights
+    /// read by name (`{name}.weight`, `{name}.bias`) from `params`.
+    fn forward_with(&self, x: &Tensor, params: &dyn ParamSource) -> Result<Tensor>;
+    /// Applies the layer with its own weights.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_with(x, &self.parameters())
+    }
+    /// `gelu(self.forward_with(x, params))`, the MLP's first layer and activation;
+    /// implementations may fuse the bias add into the activation ([`DenseLinear`] does, with
     /// [`ops::bias_gelu`](crate::ops::bias_gelu)).
+    fn forward_gelu_with(&self, x: &Tensor, params: &dyn ParamSource) -> Result<Tensor> {
+        crate::ops::gelu(&self.forward_with(x, params)?)
+    }
+    /// `gelu(self.forward(x))` with the layer's own weights.
     fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
-        crate::ops::gelu(&self.forward(x)?)
+        self.forward_gelu_with(x, &self.parameters())
     }
     /// This layer's trainable parameters with their full names, in a fixed order.
     fn parameters(&self) -> Vec<(String, Var)>;
@@ -175,7 +185,23 @@ pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Res
     Ok(y.reshape(out_dims)?)
 }
 
+impl DenseLinear {
+    fn weights_from(&self, params: &dyn ParamSource) -> Result<(Tensor, Option<Tensor>)> {
+        let w = params.param(&format!("{}.weight", self.name))?;
+        let b = match self.bias {
+            Some(_) => Some(params.param(&format!("{}.bias", self.name))?),
+            None => None,
+        };
+        Ok((w, b))
+    }
+}
+
 impl LinearLayer for DenseLinear {
+    fn forward_with(&self, x: &Tensor, params: &dyn ParamSource) -> Result<Tensor> {
+        let (w, b) = self.weights_from(params)?;
+        linear_forward(x, &w, b.as_ref())
+    }
+
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         linear_forward(
             x,
@@ -184,14 +210,19 @@ impl LinearLayer for DenseLinear {
         )
     }
 
-    fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
-        match &self.bias {
+    fn forward_gelu_with(&self, x: &Tensor, params: &dyn ParamSource) -> Result<Tensor> {
+        let (w, b) = self.weights_from(params)?;
+        match b {
             Some(b) => {
-                let y = linear_forward(x, self.weight.as_tensor(), None)?;
-                crate::ops::bias_gelu(&y, &b.as_tensor().to_dtype(y.dtype())?)
+                let y = linear_forward(x, &w, None)?;
+                crate::ops::bias_gelu(&y, &b.to_dtype(y.dtype())?)
             }
-            None => crate::ops::gelu(&self.forward(x)?),
+            None => crate::ops::gelu(&linear_forward(x, &w, None)?),
         }
+    }
+
+    fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_gelu_with(x, &self.parameters())
     }
 
     fn parameters(&self) -> Vec<(String, Var)> {

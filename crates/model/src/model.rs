@@ -5,7 +5,10 @@ use crate::error::{ModelError, Result};
 use crate::init::{Init, Initializer};
 use crate::linear::{DenseFactory, LayerFactory, LinearKind, LinearLayer, LinearSpec};
 use crate::ops;
+use crate::params::ParamSource;
+use crate::tp::TensorParallelFactory;
 use candle_core::{DType, Device, Tensor, Var};
+use kiln_parallel::tp::{self as tpops, TpComm};
 
 /// How a [`Gpt`] is built and run, apart from its architecture.
 #[derive(Debug, Clone)]
@@ -88,9 +91,13 @@ impl Norm {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.weight.as_tensor().to_dtype(x.dtype())?;
-        let b = self.bias.as_tensor().to_dtype(x.dtype())?;
+    fn forward_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+        let w = p
+            .param(&format!("{}.weight", self.name))?
+            .to_dtype(x.dtype())?;
+        let b = p
+            .param(&format!("{}.bias", self.name))?
+            .to_dtype(x.dtype())?;
         ops::layer_norm(x, &w, &b, self.eps)
     }
 
@@ -155,10 +162,10 @@ impl Block {
         })
     }
 
-    fn attention(&self, x: &Tensor) -> Result<Tensor> {
+    fn attention(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let dh = self.head_dim;
-        let qkv = self.c_attn.forward(x)?;
+        let qkv = self.c_attn.forward_with(x, p)?;
         let width = self.c_attn.local_out_features();
         if width % (3 * dh) != 0 {
             return Err(ModelError::Shape {
@@ -179,13 +186,21 @@ impl Block {
         let att = ops::causal_softmax_scaled(&scores, 1.0 / (dh as f64).sqrt())?;
         let y = att.matmul(&v)?;
         let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * dh))?;
-        self.attn_proj.forward(&y)
+        self.attn_proj.forward_with(&y, p)
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = (x + self.attention(&self.ln_1.forward(x)?)?)?;
-        let h = self.c_fc.forward_gelu(&self.ln_2.forward(&x)?)?;
-        Ok((&x + self.mlp_proj.forward(&h)?)?)
+    fn forward_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+        let x = (x + self.attention(&self.ln_1.forward_with(x, p)?, p)?)?;
+        let h = self
+            .c_fc
+            .forward_gelu_with(&self.ln_2.forward_with(&x, p)?, p)?;
+        Ok((&x + self.mlp_proj.forward_with(&h, p)?)?)
+    }
+
+    fn own(&self) -> Vec<(String, Var)> {
+        let mut v = Vec::new();
+        self.parameters(&mut v);
+        v
     }
 
     fn parameters(&self, out: &mut Vec<(String, Var)>) {
@@ -227,6 +242,9 @@ pub struct Gpt {
     wpe: Var,
     blocks: Vec<Block>,
     ln_f: Norm,
+    /// The tensor-parallel group when the model is split (vocab-parallel `wte`, column- and
+    /// row-parallel linear layers).
+    tp: Option<TpComm>,
 }
 
 fn check_compute_dtype(dtype: DType) -> Result<()> {
@@ -248,11 +266,32 @@ impl Gpt {
         Self::with_factory(cfg, opts, &DenseFactory)
     }
 
+    /// Builds this rank's shard of a tensor-parallel model over the group `tp` (Megatron-LM):
+    /// column-parallel QKV (split by heads) and fc1, row-parallel output projections and fc2, a
+    /// vocab-parallel token embedding and tied head, replicated positions and LayerNorms. Every
+    /// parameter is initialised whole from its `(seed, name)` stream and then sharded, so the
+    /// model equals the `tp = 1` one at any degree.
+    pub fn tensor_parallel(cfg: &GptConfig, opts: &GptOptions, tp: TpComm) -> Result<Self> {
+        let factory = TensorParallelFactory::new(tp.clone(), cfg.n_heads);
+        let mut model = Self::build(cfg, opts, &factory, Some(&tp))?;
+        model.tp = Some(tp);
+        Ok(model)
+    }
+
     /// Builds the model with linear layers from `factory`.
     pub fn with_factory(
         cfg: &GptConfig,
         opts: &GptOptions,
         factory: &dyn LayerFactory,
+    ) -> Result<Self> {
+        Self::build(cfg, opts, factory, None)
+    }
+
+    fn build(
+        cfg: &GptConfig,
+        opts: &GptOptions,
+        factory: &dyn LayerFactory,
+        tp: Option<&TpComm>,
     ) -> Result<Self> {
         cfg.validate()?;
         check_compute_dtype(opts.compute_dtype)?;
@@ -261,7 +300,13 @@ impl Gpt {
         let emb = Init::Normal {
             std: cfg.embedding_std,
         };
-        let wte = init.var("wte", &[cfg.vocab_size, d], emb)?;
+        let wte = match tp {
+            None => init.var("wte", &[cfg.vocab_size, d], emb)?,
+            Some(c) => {
+                let full = init.tensor("wte", &[cfg.vocab_size, d], emb)?;
+                Var::from_tensor(&tpops::shard_vocab(&full, c.world_size(), c.rank())?)?
+            }
+        };
         let wpe = init.var("wpe", &[cfg.n_ctx, d], emb)?;
         let blocks = (0..cfg.n_layers)
             .map(|i| Block::new(cfg, i, &init, factory))
@@ -274,7 +319,46 @@ impl Gpt {
             wpe,
             blocks,
             ln_f,
+            tp: None,
         })
+    }
+
+    /// The tensor-parallel group, when the model is split.
+    pub fn tp_group(&self) -> Option<&TpComm> {
+        self.tp.as_ref()
+    }
+
+    /// Per segment (in execution order), every parameter the segment reads: its own and the
+    /// tied ones (the head lists `wte` too). The input of `kiln_parallel::DataParallel::new`.
+    pub fn segment_param_lists(&self) -> Vec<Vec<(String, Var)>> {
+        self.segments()
+            .into_iter()
+            .map(|s| {
+                let mut v = self.segment_parameters(s);
+                v.extend(self.tied_parameters(s));
+                v
+            })
+            .collect()
+    }
+
+    /// Names of the parameters every tensor-parallel rank holds whole (LayerNorms, positions,
+    /// row-parallel biases): their gradients are equal on all tp ranks, so a global gradient
+    /// norm counts them once. Empty without tensor parallelism.
+    pub fn tp_replicated_parameters(&self) -> Vec<String> {
+        if self.tp.is_none() {
+            return Vec::new();
+        }
+        self.named_parameters()
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| {
+                n == "wpe"
+                    || n.contains(".ln_")
+                    || n.starts_with("ln_f")
+                    || n.ends_with("attn.c_proj.bias")
+                    || n.ends_with("mlp.c_proj.bias")
+            })
+            .collect()
     }
 
     /// The architecture.
@@ -407,6 +491,11 @@ impl Gpt {
     /// `Embed`: token ids `[b, t]` (u32, `t <= n_ctx`) to hidden states `[b, t, d]` in the
     /// compute dtype.
     pub fn embed(&self, tokens: &Tensor) -> Result<Tensor> {
+        self.embed_with(tokens, &self.named_parameters())
+    }
+
+    /// [`Gpt::embed`] with `wte` and `wpe` read from `p`.
+    pub fn embed_with(&self, tokens: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
         let (b, t) = self.check_tokens("embed", "tokens", tokens)?;
         let ids = tokens.flatten_all()?;
         let vocab = self.cfg.vocab_size;
@@ -425,12 +514,13 @@ impl Gpt {
             });
         }
         let d = self.cfg.d_model;
-        let tok = self
-            .wte
-            .as_tensor()
-            .index_select(&ids, 0)?
-            .reshape((b, t, d))?;
-        let pos = self.wpe.as_tensor().narrow(0, 0, t)?;
+        let wte = p.param("wte")?;
+        let tok = match &self.tp {
+            None => wte.index_select(&ids, 0)?,
+            Some(c) => tpops::vocab_parallel_embedding(&ids, &wte, c)?,
+        }
+        .reshape((b, t, d))?;
+        let pos = p.param("wpe")?.narrow(0, 0, t)?;
         Ok(tok.broadcast_add(&pos)?.to_dtype(self.opts.compute_dtype)?)
     }
 
@@ -440,21 +530,57 @@ impl Gpt {
             index: i,
             n_blocks: self.blocks.len(),
         })?;
-        blk.forward(x)
+        blk.forward_with(x, &blk.own())
     }
 
-    /// `Head`: hidden states `[b, t, d]` to logits `[b, t, vocab]` in the compute dtype.
+    /// [`Gpt::block`] with the block's parameters read from `p`.
+    pub fn block_with(&self, i: usize, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+        let blk = self.blocks.get(i).ok_or(ModelError::BlockOutOfRange {
+            index: i,
+            n_blocks: self.blocks.len(),
+        })?;
+        blk.forward_with(x, p)
+    }
+
+    /// `Head`: hidden states `[b, t, d]` to logits `[b, t, vocab]` in the compute dtype
+    /// (gathered over the tensor-parallel group when the model is split).
     pub fn head_logits(&self, x: &Tensor) -> Result<Tensor> {
+        let local = self.head_logits_local(x, &self.named_parameters())?;
+        match &self.tp {
+            None => Ok(local),
+            Some(c) => Ok(tpops::gather_from_tp_region(&local, c)?),
+        }
+    }
+
+    /// This rank's logits `[b, t, vocab / tp]` (all of them without tensor parallelism), with
+    /// `ln_f` and `wte` read from `p`.
+    pub fn head_logits_local(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let h = self.ln_f.forward(x)?.reshape((b * t, d))?;
-        let w = self.wte.as_tensor().to_dtype(h.dtype())?;
-        Ok(h.matmul(&w.t()?)?.reshape((b, t, self.cfg.vocab_size))?)
+        let h = self.ln_f.forward_with(x, p)?.reshape((b * t, d))?;
+        let w = p.param("wte")?.to_dtype(h.dtype())?;
+        let logits = match &self.tp {
+            None => h.matmul(&w.t()?)?,
+            Some(c) => tpops::vocab_parallel_logits(&h, &w, c)?,
+        };
+        let v = logits.dim(1)?;
+        Ok(logits.reshape((b, t, v))?)
     }
 
     /// `Head`: hidden states `[b, t, d]` and targets `[b, t]` (u32) to the mean cross-entropy
     /// over the targets not equal to [`GptOptions::ignore_index`]; a scalar f32 (f64 when
     /// computing in f64).
     pub fn head_loss(&self, x: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        self.head_loss_with(x, targets, &self.named_parameters())
+    }
+
+    /// [`Gpt::head_loss`] with `ln_f` and `wte` read from `p` (vocab-parallel cross-entropy
+    /// when the model is split).
+    pub fn head_loss_with(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        p: &dyn ParamSource,
+    ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (tb, tt) = self.check_tokens("head_loss", "targets", targets)?;
         if (tb, tt) != (b, t) {
@@ -465,8 +591,19 @@ impl Gpt {
                 got: format!("[{tb}, {tt}]"),
             });
         }
-        let logits = self.head_logits(x)?.reshape((b * t, self.cfg.vocab_size))?;
-        ops::cross_entropy(&logits, &targets.flatten_all()?, self.opts.ignore_index)
+        let logits = self.head_logits_local(x, p)?;
+        let v = logits.dim(2)?;
+        let logits = logits.reshape((b * t, v))?;
+        let targets = targets.flatten_all()?;
+        match &self.tp {
+            None => ops::cross_entropy(&logits, &targets, self.opts.ignore_index),
+            Some(c) => Ok(tpops::vocab_parallel_cross_entropy(
+                &logits,
+                &targets,
+                self.opts.ignore_index,
+                c,
+            )?),
+        }
     }
 
     /// Hidden states after the embedding and every block.
@@ -486,5 +623,29 @@ impl Gpt {
     /// Mean next-token cross-entropy of `tokens` against `targets` (both `[b, t]`, u32).
     pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
         self.head_loss(&self.trunk(tokens)?, targets)
+    }
+}
+
+impl kiln_memory::SegmentedModel for Gpt {
+    fn num_segments(&self) -> usize {
+        self.blocks.len() + 2
+    }
+
+    fn forward_segment(
+        &self,
+        i: usize,
+        input: &Tensor,
+        targets: &Tensor,
+        params: &kiln_memory::SegmentParams,
+    ) -> candle_core::Result<Tensor> {
+        let n = self.blocks.len();
+        let out = if i == 0 {
+            self.embed_with(input, params)
+        } else if i <= n {
+            self.block_with(i - 1, input, params)
+        } else {
+            self.head_loss_with(input, targets, params)
+        };
+        out.map_err(candle_core::Error::wrap)
     }
 }

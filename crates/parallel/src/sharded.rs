@@ -272,6 +272,8 @@ pub struct DataParallel {
     comm: Box<dyn Communicator>,
     /// The whole world, for the found-inf flag (defaults to the data-parallel group).
     world: Option<Arc<dyn Communicator>>,
+    /// The tensor-parallel group and, per parameter, whether it is replicated over it.
+    tp: Option<(Arc<dyn Communicator>, Vec<bool>)>,
     worker: Worker,
     device: Device,
     steps: u64,
@@ -385,6 +387,7 @@ impl DataParallel {
             optim,
             comm,
             world: None,
+            tp: None,
             worker: Worker::start(worker_comm)?,
             device,
             steps: 0,
@@ -414,6 +417,25 @@ impl DataParallel {
     /// parallel ranks must skip together) instead of the data-parallel group.
     pub fn with_world(mut self, world: Arc<dyn Communicator>) -> Self {
         self.world = Some(world);
+        self
+    }
+
+    /// Declares that the model is also split over the tensor-parallel group `tp`, and which
+    /// parameters every tp rank holds whole (their gradients are equal on all tp ranks). The
+    /// global gradient norm then sums the split parameters over `tp` and counts the replicated
+    /// ones once, so clipping equals the unsplit model's.
+    pub fn with_tensor_parallel(
+        mut self,
+        tp: Arc<dyn Communicator>,
+        replicated: &[String],
+    ) -> Self {
+        let flags = self
+            .layout
+            .params()
+            .iter()
+            .map(|p| replicated.contains(&p.name))
+            .collect();
+        self.tp = Some((tp, flags));
         self
     }
 
@@ -622,13 +644,7 @@ impl DataParallel {
                 optim_s: t_opt.elapsed().as_secs_f64(),
             });
         }
-        // global norm from each rank's chunks, in a fixed order
-        let mut sq = kiln_optim::SquareSum::new();
-        for u in 0..self.layout.units().len() {
-            sq.add(self.owned_grads(u));
-        }
-        sq.all_reduce(&*self.comm)?;
-        let norm = sq.norm();
+        let norm = self.global_norm()?;
         let mut clipped = false;
         if let Some(max_norm) = self.cfg.max_grad_norm {
             if norm.is_finite() && norm > max_norm as f64 {
@@ -669,6 +685,39 @@ impl DataParallel {
             comm_wait_s: comm_wait.as_secs_f64(),
             optim_s: t_opt.elapsed().as_secs_f64(),
         })
+    }
+
+    /// The global L2 norm of the gradients from each rank's chunks (the square sums are exact,
+    /// so the result does not depend on the chunking).
+    fn global_norm(&self) -> Result<f64> {
+        let mut split = kiln_optim::SquareSum::new();
+        let mut replicated = kiln_optim::SquareSum::new();
+        for (u, unit) in self.layout.units().iter().enumerate() {
+            let c = chunk_range(unit.len, self.dp_size, self.dp_rank);
+            let owned = self.owned_grads(u);
+            for &p in &unit.params {
+                let slot = &self.layout.params()[p];
+                let (lo, hi) = (
+                    slot.offset.max(c.start),
+                    (slot.offset + slot.numel).min(c.end),
+                );
+                if lo >= hi {
+                    continue;
+                }
+                let part = &owned[lo - c.start..hi - c.start];
+                match &self.tp {
+                    Some((_, flags)) if flags[p] => replicated.add(part),
+                    _ => split.add(part),
+                }
+            }
+        }
+        split.all_reduce(&*self.comm)?;
+        if let Some((tp, _)) = &self.tp {
+            split.all_reduce(&**tp)?;
+            replicated.all_reduce(&*self.comm)?;
+            split.merge(&replicated);
+        }
+        Ok(split.norm())
     }
 
     fn owned_grads(&self, u: usize) -> &[f32] {

@@ -1,0 +1,124 @@
+//! [`TensorParallelFactory`]: Megatron-LM linear layers for [`crate::Gpt`] through the
+//! [`LayerFactory`] seam.
+
+use crate::error::{ModelError, Result};
+use crate::init::{Init, Initializer};
+use crate::linear::{LayerFactory, LinearKind, LinearLayer, LinearSpec, ParallelStyle};
+use crate::params::ParamSource;
+use candle_core::{Tensor, Var};
+use kiln_parallel::tp::{
+    column_parallel_linear, row_parallel_linear, shard_column, shard_qkv, shard_row, TpComm,
+};
+
+/// Builds column-parallel QKV (split by heads) and fc1, and row-parallel attention output and
+/// fc2, over a tensor-parallel group. Each weight is initialised whole from its `(seed, name)`
+/// stream and then sharded, so the layers equal the dense ones at any degree.
+#[derive(Clone)]
+pub struct TensorParallelFactory {
+    comm: TpComm,
+    n_heads: usize,
+}
+
+impl std::fmt::Debug for TensorParallelFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorParallelFactory")
+            .field("tp", &self.comm.world_size())
+            .field("rank", &self.comm.rank())
+            .field("n_heads", &self.n_heads)
+            .finish()
+    }
+}
+
+impl TensorParallelFactory {
+    /// A factory over the group `comm`, for a model with `n_heads` attention heads.
+    pub fn new(comm: TpComm, n_heads: usize) -> Self {
+        Self { comm, n_heads }
+    }
+}
+
+impl LayerFactory for TensorParallelFactory {
+    fn linear(&self, init: &Initializer, spec: &LinearSpec) -> Result<Box<dyn LinearLayer>> {
+        if spec.in_features == 0 || spec.out_features == 0 {
+            return Err(ModelError::ZeroDimension {
+                field: "linear features",
+            });
+        }
+        let full_w = init.tensor(
+            &format!("{}.weight", spec.name),
+            &[spec.out_features, spec.in_features],
+            spec.weight_init,
+        )?;
+        let full_b = if spec.bias {
+            Some(init.tensor(
+                &format!("{}.bias", spec.name),
+                &[spec.out_features],
+                Init::Zeros,
+            )?)
+        } else {
+            None
+        };
+        let (tp, rank) = (self.comm.world_size(), self.comm.rank());
+        let (w, b) = match spec.kind {
+            LinearKind::AttnQkv => shard_qkv(&full_w, full_b.as_ref(), self.n_heads, tp, rank)?,
+            LinearKind::MlpUp => shard_column(&full_w, full_b.as_ref(), tp, rank)?,
+            LinearKind::AttnOut | LinearKind::MlpDown => {
+                shard_row(&full_w, full_b.as_ref(), tp, rank)?
+            }
+        };
+        let local_out = w.dim(0)?;
+        Ok(Box::new(TpLinear {
+            name: spec.name.clone(),
+            style: spec.kind.parallel_style(),
+            weight: Var::from_tensor(&w)?,
+            bias: b.map(|b| Var::from_tensor(&b)).transpose()?,
+            comm: self.comm.clone(),
+            local_out,
+        }))
+    }
+}
+
+/// One rank's shard of a column- or row-parallel linear layer.
+pub struct TpLinear {
+    name: String,
+    style: ParallelStyle,
+    weight: Var,
+    bias: Option<Var>,
+    comm: TpComm,
+    local_out: usize,
+}
+
+impl std::fmt::Debug for TpLinear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpLinear")
+            .field("name", &self.name)
+            .field("style", &self.style)
+            .field("weight", &self.weight.dims())
+            .finish()
+    }
+}
+
+impl LinearLayer for TpLinear {
+    fn forward_with(&self, x: &Tensor, params: &dyn ParamSource) -> Result<Tensor> {
+        let w = params.param(&format!("{}.weight", self.name))?;
+        let b = match self.bias {
+            Some(_) => Some(params.param(&format!("{}.bias", self.name))?),
+            None => None,
+        };
+        Ok(match self.style {
+            ParallelStyle::Column => column_parallel_linear(x, &w, b.as_ref(), &self.comm)?,
+            ParallelStyle::Row => row_parallel_linear(x, &w, b.as_ref(), &self.comm)?,
+        })
+    }
+
+    fn parameters(&self) -> Vec<(String, Var)> {
+        let mut p = vec![(format!("{}.weight", self.name), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            p.push((format!("{}.bias", self.name), b.clone()));
+        }
+        p
+    }
+
+    fn local_out_features(&self) -> usize {
+        self.local_out
+    }
+}
