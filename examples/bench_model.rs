@@ -2,7 +2,7 @@
 //! forward+backward tokens/s of `small_cpu` at batch 8 (and a full step with candle-nn's
 //! AdamW), and each fused op (forward + backward) against its composite candle equivalent.
 //!
-//! Run: `cargo run --release -p kiln-model --example bench_model`
+//! Run: `cargo run --release --example bench_model`
 //! (optionally `-- --steps 20`, `-- --only model` or `-- --only ops`; glibc's `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1000000000`
 //! avoid page-faulting fresh tensors every step).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

@@ -4,8 +4,8 @@
 //! versus a sync one. Prints one JSON line per measurement (median of `--reps` runs).
 //!
 //! ```text
-//! cargo run --release -p kiln-ckpt --example bench_ckpt
-//! cargo run --release -p kiln-ckpt --example bench_ckpt -- --params 10000000 --reps 3
+//! cargo run --release --example bench_ckpt
+//! cargo run --release --example bench_ckpt -- --params 10000000 --reps 3
 //! ```
 //!
 //! Files go to a fresh directory under the system temp dir, removed at the end.

@@ -3,7 +3,7 @@
 //! checkpoint and skipping the poisoned batch, and all sinks (console, JSONL, TensorBoard,
 //! PNG plot).
 //!
-//! Run: `cargo run --release -p kiln-monitor --example monitor_run [-- OUT_DIR]`
+//! Run: `cargo run --release --example monitor_run [-- OUT_DIR]`
 //! (default `target/monitor_run`), then look at `OUT_DIR/run.png`, or run
 //! `tensorboard --logdir OUT_DIR/tb`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]

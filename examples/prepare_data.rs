@@ -5,7 +5,7 @@
 //! calls the same `kiln_data::prepare_corpus` itself when the shards are missing.
 //!
 //! ```text
-//! cargo run --release -p kiln-data --example prepare_data -- [--out DIR] [--data DIR] [--vocab N] [--shards N]
+//! cargo run --release --example prepare_data -- [--out DIR] [--data DIR] [--vocab N] [--shards N]
 //! ```
 //! `--out` defaults to `$KILN_DATA_CACHE` or `.cache/kiln-data`; `--data` to the repository's
 //! `data/` folder.
@@ -20,7 +20,7 @@ fn main() -> anyhow::Result<()> {
     let mut out = default_cache_dir();
     let mut data = PathBuf::from("data");
     if !data.join("shakespeare.txt").exists() {
-        data = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data"));
+        data = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/data"));
     }
     let mut vocab = 8192usize;
     let mut shards = 4usize;

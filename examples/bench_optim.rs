@@ -3,7 +3,7 @@
 //! unscale-and-check of kiln-precision (8 bytes per gradient), and the exact sum of squares of
 //! global-norm clipping (4 bytes per gradient).
 //!
-//! Run: `cargo run --release -p kiln-optim --example bench_optim [-- PARAMS]` (default 16M).
+//! Run: `cargo run --release --example bench_optim [-- PARAMS]` (default 16M).
 //! Prints one JSON line per measurement: the median of several repetitions.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 

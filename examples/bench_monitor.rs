@@ -2,7 +2,7 @@
 //! circuit breaker, and the cross-rank summary, compared with a `small-cpu` training step of
 //! about 250 ms (the budget is 1% of it, 2.5 ms).
 //!
-//! Run: `cargo run --release -p kiln-monitor --example bench_monitor`
+//! Run: `cargo run --release --example bench_monitor`
 //! Prints one JSON line per measurement.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 

@@ -8,7 +8,7 @@
 //!   data (`wait_fraction`, 0..1; the target is under 0.01).
 //!
 //! ```text
-//! cargo run --release -p kiln-data --example bench_data -- [--out DIR] [--paced-batches N]
+//! cargo run --release --example bench_data -- [--out DIR] [--paced-batches N]
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -44,7 +44,7 @@ fn main() -> anyhow::Result<()> {
     }
     let mut data = PathBuf::from("data");
     if !data.join("shakespeare.txt").exists() {
-        data = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../data"));
+        data = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/data"));
     }
     let prepared = prepare_corpus(&PrepareConfig::new(&data, &out))?;
     let sources = prepared.train_sources(Verify::Full)?;
