@@ -32,7 +32,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
     let steps: usize = flag("--steps").map(|s| s.parse()).transpose()?.unwrap_or(4);
     let preset = flag("--preset").unwrap_or_else(|| "small_cpu".into());
     let cfg = GptConfig::by_name(&preset)?;
@@ -45,52 +50,100 @@ fn main() -> anyhow::Result<()> {
         vocab: cfg.vocab_size as u64,
     };
     let cases = [
-        Case { name: "dp1", dp: 1, tp: 1, stage: Stage::Replicated, overlap: true },
-        Case { name: "dp2_overlap", dp: 2, tp: 1, stage: Stage::Replicated, overlap: true },
-        Case { name: "dp2_no_overlap", dp: 2, tp: 1, stage: Stage::Replicated, overlap: false },
-        Case { name: "dp2_zero1", dp: 2, tp: 1, stage: Stage::Zero1, overlap: true },
-        Case { name: "dp2_zero2", dp: 2, tp: 1, stage: Stage::Zero2, overlap: true },
-        Case { name: "dp2_zero3", dp: 2, tp: 1, stage: Stage::Zero3, overlap: true },
-        Case { name: "tp2", dp: 1, tp: 2, stage: Stage::Replicated, overlap: true },
+        Case {
+            name: "dp1",
+            dp: 1,
+            tp: 1,
+            stage: Stage::Replicated,
+            overlap: true,
+        },
+        Case {
+            name: "dp2_overlap",
+            dp: 2,
+            tp: 1,
+            stage: Stage::Replicated,
+            overlap: true,
+        },
+        Case {
+            name: "dp2_no_overlap",
+            dp: 2,
+            tp: 1,
+            stage: Stage::Replicated,
+            overlap: false,
+        },
+        Case {
+            name: "dp2_zero1",
+            dp: 2,
+            tp: 1,
+            stage: Stage::Zero1,
+            overlap: true,
+        },
+        Case {
+            name: "dp2_zero2",
+            dp: 2,
+            tp: 1,
+            stage: Stage::Zero2,
+            overlap: true,
+        },
+        Case {
+            name: "dp2_zero3",
+            dp: 2,
+            tp: 1,
+            stage: Stage::Zero3,
+            overlap: true,
+        },
+        Case {
+            name: "tp2",
+            dp: 1,
+            tp: 2,
+            stage: Stage::Replicated,
+            overlap: true,
+        },
     ];
     for c in cases {
         let world = c.dp * c.tp;
-        let results = spawn(world, |comm: ThreadComm| -> anyhow::Result<(f64, f64, f64)> {
-            let dims = ParallelDims::new(c.dp, c.tp, world, &shape)?;
-            let groups = dims.build_groups(&comm)?;
-            let world_comm: Arc<dyn Communicator> = Arc::new(comm);
-            let tp: Arc<dyn Communicator> = Arc::from(groups.tp);
-            let model = Gpt::tensor_parallel(&cfg, &GptOptions::seeded(1), tp.clone())?;
-            let dpc = DataParallelConfig {
-                stage: c.stage,
-                overlap: c.overlap,
-                max_grad_norm: Some(1.0),
-                ..Default::default()
-            };
-            let mut engine = DataParallel::new(&model.segment_param_lists(), &*groups.dp, dpc)?
-                .with_world(world_comm.clone())
-                .with_tensor_parallel(tp, &model.tp_replicated_parameters());
-            let per = global_batch / c.dp;
-            let dp_rank = dims.dp_rank(world_comm.rank());
-            let mut times = Vec::new();
-            let mut waits = Vec::new();
-            let mut computes = Vec::new();
-            for s in 0..steps + 1 {
-                let ids: Vec<u32> = (0..per * (seq + 1))
-                    .map(|i| (((s * 7919 + dp_rank * 104729 + i) * 2654435761) >> 9) as u32 % cfg.vocab_size as u32)
-                    .collect();
-                let all = Tensor::from_vec(ids, (per, seq + 1), &Device::Cpu)?;
-                let (x, y) = (all.narrow(1, 0, seq)?, all.narrow(1, 1, seq)?);
-                let t = Instant::now();
-                let r = engine.step(&model, &[(x, y)], 1e-3, &mut NoScaler)?;
-                if s > 0 {
-                    times.push(t.elapsed().as_secs_f64());
-                    waits.push(r.comm_wait_s);
-                    computes.push(r.compute_s);
+        let results = spawn(
+            world,
+            |comm: ThreadComm| -> anyhow::Result<(f64, f64, f64)> {
+                let dims = ParallelDims::new(c.dp, c.tp, world, &shape)?;
+                let groups = dims.build_groups(&comm)?;
+                let world_comm: Arc<dyn Communicator> = Arc::new(comm);
+                let tp: Arc<dyn Communicator> = Arc::from(groups.tp);
+                let model = Gpt::tensor_parallel(&cfg, &GptOptions::seeded(1), tp.clone())?;
+                let dpc = DataParallelConfig {
+                    stage: c.stage,
+                    overlap: c.overlap,
+                    max_grad_norm: Some(1.0),
+                    ..Default::default()
+                };
+                let mut engine = DataParallel::new(&model.segment_param_lists(), &*groups.dp, dpc)?
+                    .with_world(world_comm.clone())
+                    .with_tensor_parallel(tp, &model.tp_replicated_parameters());
+                let per = global_batch / c.dp;
+                let dp_rank = dims.dp_rank(world_comm.rank());
+                let mut times = Vec::new();
+                let mut waits = Vec::new();
+                let mut computes = Vec::new();
+                for s in 0..steps + 1 {
+                    let ids: Vec<u32> = (0..per * (seq + 1))
+                        .map(|i| {
+                            (((s * 7919 + dp_rank * 104729 + i) * 2654435761) >> 9) as u32
+                                % cfg.vocab_size as u32
+                        })
+                        .collect();
+                    let all = Tensor::from_vec(ids, (per, seq + 1), &Device::Cpu)?;
+                    let (x, y) = (all.narrow(1, 0, seq)?, all.narrow(1, 1, seq)?);
+                    let t = Instant::now();
+                    let r = engine.step(&model, &[(x, y)], 1e-3, &mut NoScaler)?;
+                    if s > 0 {
+                        times.push(t.elapsed().as_secs_f64());
+                        waits.push(r.comm_wait_s);
+                        computes.push(r.compute_s);
+                    }
                 }
-            }
-            Ok((median(times), median(waits), median(computes)))
-        })
+                Ok((median(times), median(waits), median(computes)))
+            },
+        )
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         let step_s = results.iter().map(|r| r.0).fold(0.0, f64::max);
         let (wait_s, compute_s) = (results[0].1, results[0].2);

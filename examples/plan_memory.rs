@@ -18,11 +18,23 @@ fn gib(bytes: u64) -> String {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
-    let preset = args.first().filter(|a| !a.starts_with("--")).cloned().unwrap_or_else(|| "gpt3_175b".into());
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let preset = args
+        .first()
+        .filter(|a| !a.starts_with("--"))
+        .cloned()
+        .unwrap_or_else(|| "gpt3_175b".into());
     let dp: u64 = flag("--dp").map(|s| s.parse()).transpose()?.unwrap_or(64);
     let tp: u64 = flag("--tp").map(|s| s.parse()).transpose()?.unwrap_or(8);
-    let micro_batch: u64 = flag("--micro-batch").map(|s| s.parse()).transpose()?.unwrap_or(1);
+    let micro_batch: u64 = flag("--micro-batch")
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(1);
     let precision = match flag("--precision").as_deref() {
         Some("f32") => MemPrecision::F32,
         _ => MemPrecision::Mixed16,
@@ -46,7 +58,15 @@ fn main() -> anyhow::Result<()> {
     );
     println!(
         "{:<11} {:>12} {:>10} {:>12} {:>13} {:>16} {:>9} {:>13} {:>16}",
-        "stage", "params/rank", "weights", "gradients", "optimizer", "model states", "comm", "activations", "act (no ckpt)"
+        "stage",
+        "params/rank",
+        "weights",
+        "gradients",
+        "optimizer",
+        "model states",
+        "comm",
+        "activations",
+        "act (no ckpt)"
     );
     for (name, stage) in [
         ("replicated", ShardingStage::Replicated),
@@ -65,7 +85,11 @@ fn main() -> anyhow::Result<()> {
             bucket_bytes: 25 << 20,
         };
         let e = plan.estimate()?;
-        let no_ckpt = MemoryPlan { checkpointing: false, ..plan }.activation_bytes();
+        let no_ckpt = MemoryPlan {
+            checkpointing: false,
+            ..plan
+        }
+        .activation_bytes();
         println!(
             "{:<11} {:>12} {:>10} {:>12} {:>13} {:>16} {:>9} {:>13} {:>16}",
             name,
