@@ -49,8 +49,8 @@ pub use error::{ModelError, Result};
 pub use generate::{generate, Sampling};
 pub use init::{keyed_rng, splitmix64, Init, Initializer};
 pub use linear::{
-    linear_forward, DenseFactory, DenseLinear, LayerFactory, LinearKind, LinearLayer, LinearSpec,
-    ParallelStyle,
+    init_linear, linear_forward, DenseFactory, DenseLinear, LayerFactory, LinearKind, LinearLayer,
+    LinearSpec, ParallelStyle,
 };
 pub use model::{Gpt, GptOptions, Segment};
 pub use params::ParamSource;

@@ -110,32 +110,39 @@ pub struct DenseLinear {
     bias: Option<Var>,
 }
 
+/// The whole initial weight `[out, in]` and bias `[out]` of `spec`, drawn from their
+/// `(seed, name)` streams; every factory starts from these, so layers agree across factories.
+pub fn init_linear(init: &Initializer, spec: &LinearSpec) -> Result<(Tensor, Option<Tensor>)> {
+    if spec.in_features == 0 || spec.out_features == 0 {
+        return Err(ModelError::ZeroDimension {
+            field: "linear features",
+        });
+    }
+    let weight = init.tensor(
+        &format!("{}.weight", spec.name),
+        &[spec.out_features, spec.in_features],
+        spec.weight_init,
+    )?;
+    let bias = if spec.bias {
+        Some(init.tensor(
+            &format!("{}.bias", spec.name),
+            &[spec.out_features],
+            Init::Zeros,
+        )?)
+    } else {
+        None
+    };
+    Ok((weight, bias))
+}
+
 impl DenseLinear {
     /// Creates the parameters of `spec` with `init`.
     pub fn new(init: &Initializer, spec: &LinearSpec) -> Result<Self> {
-        if spec.in_features == 0 || spec.out_features == 0 {
-            return Err(ModelError::ZeroDimension {
-                field: "linear features",
-            });
-        }
-        let weight = init.var(
-            &format!("{}.weight", spec.name),
-            &[spec.out_features, spec.in_features],
-            spec.weight_init,
-        )?;
-        let bias = if spec.bias {
-            Some(init.var(
-                &format!("{}.bias", spec.name),
-                &[spec.out_features],
-                Init::Zeros,
-            )?)
-        } else {
-            None
-        };
+        let (weight, bias) = init_linear(init, spec)?;
         Ok(Self {
             name: spec.name.clone(),
-            weight,
-            bias,
+            weight: Var::from_tensor(&weight)?,
+            bias: bias.map(|b| Var::from_tensor(&b)).transpose()?,
         })
     }
 

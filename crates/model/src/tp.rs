@@ -1,9 +1,11 @@
 //! [`TensorParallelFactory`]: Megatron-LM linear layers for [`crate::Gpt`] through the
 //! [`LayerFactory`] seam.
 
-use crate::error::{ModelError, Result};
-use crate::init::{Init, Initializer};
-use crate::linear::{LayerFactory, LinearKind, LinearLayer, LinearSpec, ParallelStyle};
+use crate::error::Result;
+use crate::init::Initializer;
+use crate::linear::{
+    init_linear, LayerFactory, LinearKind, LinearLayer, LinearSpec, ParallelStyle,
+};
 use crate::params::ParamSource;
 use candle_core::{Tensor, Var};
 use kiln_parallel::tp::{
@@ -38,25 +40,7 @@ impl TensorParallelFactory {
 
 impl LayerFactory for TensorParallelFactory {
     fn linear(&self, init: &Initializer, spec: &LinearSpec) -> Result<Box<dyn LinearLayer>> {
-        if spec.in_features == 0 || spec.out_features == 0 {
-            return Err(ModelError::ZeroDimension {
-                field: "linear features",
-            });
-        }
-        let full_w = init.tensor(
-            &format!("{}.weight", spec.name),
-            &[spec.out_features, spec.in_features],
-            spec.weight_init,
-        )?;
-        let full_b = if spec.bias {
-            Some(init.tensor(
-                &format!("{}.bias", spec.name),
-                &[spec.out_features],
-                Init::Zeros,
-            )?)
-        } else {
-            None
-        };
+        let (full_w, full_b) = init_linear(init, spec)?;
         let (tp, rank) = (self.comm.world_size(), self.comm.rank());
         let (w, b) = match spec.kind {
             LinearKind::AttnQkv => shard_qkv(&full_w, full_b.as_ref(), self.n_heads, tp, rank)?,
