@@ -31,4 +31,4 @@ pub mod tp;
 pub use dims::{Groups, ParallelDims};
 pub use error::{ParallelError, Result};
 pub use flat::{tensor_into_slice, write_var, FlatLayout, ParamSlot, Unit, DEFAULT_BUCKET_BYTES};
-pub use sharded::{DataParallel, DataParallelConfig, Stage, StepReport};
+pub use sharded::{DataParallel, DataParallelConfig, Stage, StepPreview, StepReport};

@@ -132,6 +132,24 @@ pub struct StepReport {
     pub optim_s: f64,
 }
 
+/// What a step computed before applying its update, handed to the gate of
+/// [`DataParallel::step_gated`]. The values are the same on every rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepPreview {
+    /// Mean loss over the micro-batches and the data-parallel group (unscaled).
+    pub loss: f32,
+    /// Global gradient L2 norm before clipping (unscaled).
+    pub grad_norm: f64,
+    /// The loss scale used for this step.
+    pub loss_scale: f32,
+    /// What the loss scaler did (a clean step: stepped or grew).
+    pub scale_event: ScaleEvent,
+    /// Seconds spent in forward and backward so far.
+    pub compute_s: f64,
+    /// Seconds spent waiting for communication after the backward so far.
+    pub comm_wait_s: f64,
+}
+
 enum Job {
     AllReduce {
         unit: usize,
@@ -545,6 +563,26 @@ impl DataParallel {
         lr: f32,
         scaler: &mut dyn LossScaler,
     ) -> Result<StepReport> {
+        self.step_gated(model, micro_batches, lr, scaler, &mut |_| true)
+            .map(|(report, _)| report)
+    }
+
+    /// [`DataParallel::step`] with a gate: once the gradients are reduced, found finite and
+    /// their norm is known, `gate` sees a [`StepPreview`] and says whether to apply the update
+    /// (clipping, optimizer, parameter gather). Returns the report and whether the update was
+    /// applied. A step the loss scaler skips never reaches the gate (`false` is returned).
+    ///
+    /// A circuit breaker uses this to skip a batch whose loss or gradient norm is anomalous:
+    /// the parameters and the optimizer state stay as they were, only the loss scaler has
+    /// counted a clean step. The gate must answer the same on every rank.
+    pub fn step_gated<M: SegmentedModel + ?Sized>(
+        &mut self,
+        model: &M,
+        micro_batches: &[(Tensor, Tensor)],
+        lr: f32,
+        scaler: &mut dyn LossScaler,
+        gate: &mut dyn FnMut(&StepPreview) -> bool,
+    ) -> Result<(StepReport, bool)> {
         if micro_batches.is_empty() {
             return Err(ParallelError::Config(
                 "a step needs at least one micro-batch".into(),
@@ -633,18 +671,44 @@ impl DataParallel {
         let loss = self.comm.all_reduce_scalar(loss_local, ReduceOp::Avg)? as f32;
         let scale_event = scaler.update(found_inf)?;
         if found_inf {
-            return Ok(StepReport {
-                loss,
-                grad_norm: None,
-                clipped: false,
-                scale_event,
-                loss_scale: scale,
-                compute_s,
-                comm_wait_s: comm_wait.as_secs_f64(),
-                optim_s: t_opt.elapsed().as_secs_f64(),
-            });
+            return Ok((
+                StepReport {
+                    loss,
+                    grad_norm: None,
+                    clipped: false,
+                    scale_event,
+                    loss_scale: scale,
+                    compute_s,
+                    comm_wait_s: comm_wait.as_secs_f64(),
+                    optim_s: t_opt.elapsed().as_secs_f64(),
+                },
+                false,
+            ));
         }
         let norm = self.global_norm()?;
+        let preview = StepPreview {
+            loss,
+            grad_norm: norm,
+            loss_scale: scale,
+            scale_event,
+            compute_s,
+            comm_wait_s: comm_wait.as_secs_f64(),
+        };
+        if !gate(&preview) {
+            return Ok((
+                StepReport {
+                    loss,
+                    grad_norm: Some(norm),
+                    clipped: false,
+                    scale_event,
+                    loss_scale: scale,
+                    compute_s,
+                    comm_wait_s: comm_wait.as_secs_f64(),
+                    optim_s: t_opt.elapsed().as_secs_f64(),
+                },
+                false,
+            ));
+        }
         let mut clipped = false;
         if let Some(max_norm) = self.cfg.max_grad_norm {
             if norm.is_finite() && norm > max_norm as f64 {
@@ -675,16 +739,19 @@ impl DataParallel {
             self.gather_into_vars()?;
         }
         self.steps += 1;
-        Ok(StepReport {
-            loss,
-            grad_norm: Some(norm),
-            clipped,
-            scale_event,
-            loss_scale: scale,
-            compute_s,
-            comm_wait_s: comm_wait.as_secs_f64(),
-            optim_s: t_opt.elapsed().as_secs_f64(),
-        })
+        Ok((
+            StepReport {
+                loss,
+                grad_norm: Some(norm),
+                clipped,
+                scale_event,
+                loss_scale: scale,
+                compute_s,
+                comm_wait_s: comm_wait.as_secs_f64(),
+                optim_s: t_opt.elapsed().as_secs_f64(),
+            },
+            true,
+        ))
     }
 
     /// The global L2 norm of the gradients from each rank's chunks (the square sums are exact,

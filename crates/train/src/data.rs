@@ -1,0 +1,141 @@
+//! The trainer's data: the prepared corpus (or sources given by the caller), one loader per
+//! data-parallel rank, and the ids the circuit breaker sees.
+
+use crate::config::RunConfig;
+use crate::error::{Result, TrainError};
+use candle_core::{Device, Tensor};
+use kiln_comm::{CommExt, Communicator};
+use kiln_data::{prepare_corpus, Batch, PrepareConfig, SampleId, TokenSource, Verify};
+
+/// Bits of a breaker sample id that hold the window index; the source sits above them.
+const INDEX_BITS: u32 = 40;
+
+/// The `u64` the circuit breaker records for a sample: the source in the top 24 bits, the
+/// window index in the low 40.
+pub fn encode_sample_id(id: SampleId) -> u64 {
+    (u64::from(id.source) << INDEX_BITS) | (id.index & ((1u64 << INDEX_BITS) - 1))
+}
+
+/// The sample an id of [`encode_sample_id`] names.
+pub fn decode_sample_id(id: u64) -> SampleId {
+    SampleId::new((id >> INDEX_BITS) as u32, id & ((1u64 << INDEX_BITS) - 1))
+}
+
+/// Training and validation sources.
+#[derive(Debug, Clone, Default)]
+pub struct DataSources {
+    /// Training sources (several are mixed with equal weights).
+    pub train: Vec<TokenSource>,
+    /// Validation sources (may be empty: no evaluation).
+    pub val: Vec<TokenSource>,
+    /// The tokenizer's vocabulary size, when known.
+    pub vocab_size: Option<usize>,
+}
+
+/// Prepares the configured corpus (tokenizer and shards under the cache folder, built once)
+/// and opens its splits. Rank 0 of `world` builds; the others wait for it and reuse the
+/// result, so the tokenizer is trained once.
+pub fn prepare_sources(cfg: &RunConfig, world: &dyn Communicator) -> Result<DataSources> {
+    let vocab = cfg.gpt_config()?.vocab_size;
+    let d = &cfg.data;
+    let pcfg = PrepareConfig {
+        corpora: d.corpora.clone(),
+        vocab_size: vocab,
+        val_fraction: d.val_fraction,
+        train_shards: d.train_shards,
+        tokenizer_sample_bytes: d.tokenizer_sample_bytes,
+        ..PrepareConfig::new(&d.data_dir, cfg.data_cache_dir()?)
+    };
+    let first = if world.rank() == 0 {
+        Some(prepare_corpus(&pcfg))
+    } else {
+        None
+    };
+    let ok = u32::from(first.as_ref().is_none_or(|r| r.is_ok()));
+    let all_ok = world.all_reduce_scalar(ok, kiln_comm::ReduceOp::Min)?;
+    let prepared = match first {
+        Some(r) => r?,
+        None if all_ok == 1 => prepare_corpus(&pcfg)?,
+        None => {
+            return Err(TrainError::Rank {
+                rank: 0,
+                message: format!(
+                    "could not prepare the corpus {:?} in {}",
+                    d.corpora,
+                    d.data_dir.display()
+                ),
+            })
+        }
+    };
+    if prepared.vocab_size > vocab {
+        return Err(TrainError::config(
+            "RunConfig.model.vocab_size",
+            format!(
+                "the tokenizer has {} ids but the model only {vocab}",
+                prepared.vocab_size
+            ),
+        ));
+    }
+    Ok(DataSources {
+        train: prepared.train_sources(Verify::Full)?,
+        val: if d.val_fraction > 0.0 {
+            prepared.val_sources(Verify::Full)?
+        } else {
+            Vec::new()
+        },
+        vocab_size: Some(prepared.vocab_size),
+    })
+}
+
+/// Splits a loader batch into `parts` micro-batches of input and target tensors `[b, t]`.
+pub fn micro_batches(batch: &Batch, parts: usize) -> Result<Vec<(Tensor, Tensor)>> {
+    let (b, t) = (batch.batch_size, batch.ctx);
+    if parts == 0 || b % parts != 0 {
+        return Err(TrainError::Builder(format!(
+            "a batch of {b} samples does not split into {parts} micro-batches"
+        )));
+    }
+    let m = b / parts;
+    (0..parts)
+        .map(|k| {
+            let rows = k * m * t..(k + 1) * m * t;
+            let x = Tensor::from_slice(&batch.inputs[rows.clone()], (m, t), &Device::Cpu)?;
+            let y = Tensor::from_slice(&batch.targets[rows], (m, t), &Device::Cpu)?;
+            Ok((x, y))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sample_ids_round_trip() {
+        for id in [
+            SampleId::new(0, 0),
+            SampleId::new(2, 12345),
+            SampleId::new(7, (1 << 40) - 1),
+        ] {
+            assert_eq!(decode_sample_id(encode_sample_id(id)), id);
+        }
+        assert_eq!(encode_sample_id(SampleId::new(1, 5)), (1 << 40) + 5);
+    }
+
+    #[test]
+    fn micro_batches_split_rows() {
+        let batch = Batch {
+            step: 0,
+            batch_size: 4,
+            ctx: 2,
+            inputs: (0..8).collect(),
+            targets: (1..9).collect(),
+            sample_ids: vec![SampleId::new(0, 0); 4],
+            epochs: vec![0; 4],
+        };
+        let mb = micro_batches(&batch, 2).unwrap();
+        assert_eq!(mb[1].0.to_vec2::<u32>().unwrap(), [[4, 5], [6, 7]]);
+        assert_eq!(mb[0].1.to_vec2::<u32>().unwrap(), [[1, 2], [3, 4]]);
+        assert!(micro_batches(&batch, 3).is_err());
+    }
+}

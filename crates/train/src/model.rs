@@ -1,0 +1,159 @@
+//! [`TrainModel`]: what the trainer needs from a model, implemented for kiln-model's [`Gpt`].
+
+use crate::config::RunConfig;
+use crate::error::Result;
+use candle_core::Var;
+use kiln_comm::Communicator;
+use kiln_memory::SegmentedModel;
+use kiln_model::{Gpt, GptConfig, GptOptions};
+use kiln_parallel::tp::TpSplit;
+use sha2::{Digest, Sha256};
+use std::sync::Arc;
+
+/// A model the [`crate::Trainer`] can train: a [`SegmentedModel`] (run segment by segment by
+/// the data-parallel engine) that lists its parameters per segment and says how each one is
+/// split over the tensor-parallel group.
+///
+/// Only [`TrainModel::segment_param_lists`] and [`TrainModel::config_hash`] are required; a
+/// model without tensor parallelism keeps the defaults.
+pub trait TrainModel: SegmentedModel {
+    /// Per segment (in execution order), every parameter the segment reads, by name; a name in
+    /// two segments is a tied parameter. The input of [`kiln_parallel::DataParallel::new`].
+    fn segment_param_lists(&self) -> Vec<Vec<(String, Var)>>;
+
+    /// Names of the parameters every tensor-parallel rank holds whole (their gradients are
+    /// equal on all tp ranks, so the global gradient norm counts them once).
+    fn tp_replicated_parameters(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// How parameter `name` is split over the tensor-parallel group; checkpoints store the
+    /// whole tensor's shape and each rank's slice of it, so they load at another tp degree.
+    fn tp_split(&self, name: &str) -> TpSplit {
+        let _ = name;
+        TpSplit::Replicated
+    }
+
+    /// A hash of the architecture: checkpoints of another architecture are refused. It must
+    /// not depend on the parallel layout, so that checkpoints reshard.
+    fn config_hash(&self) -> String;
+
+    /// Training FLOPs per token at sequence length `seq_len`, for MFU (None: not reported).
+    fn flops_per_token(&self, seq_len: usize) -> Option<f64> {
+        let _ = seq_len;
+        None
+    }
+}
+
+/// How the tied GPT parameters are split over tensor-parallel ranks (Megatron-LM): the
+/// vocab-parallel embedding and fc1 by rows, the fused QKV by heads, the output projections'
+/// weights by columns, everything else replicated.
+pub fn gpt_tp_split(name: &str) -> TpSplit {
+    if name == "wte" || name.ends_with("mlp.c_fc.weight") || name.ends_with("mlp.c_fc.bias") {
+        TpSplit::Rows
+    } else if name.contains("attn.c_attn.") {
+        TpSplit::Qkv
+    } else if name.ends_with("attn.c_proj.weight") || name.ends_with("mlp.c_proj.weight") {
+        TpSplit::Cols
+    } else {
+        TpSplit::Replicated
+    }
+}
+
+/// The architecture hash of a [`GptConfig`]: the first 16 hex digits of the sha256 of its JSON.
+pub fn gpt_config_hash(cfg: &GptConfig) -> String {
+    let json = serde_json::to_string(cfg).unwrap_or_default();
+    let digest = Sha256::digest(json.as_bytes());
+    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!("gpt-{hex}")
+}
+
+impl TrainModel for Gpt {
+    fn segment_param_lists(&self) -> Vec<Vec<(String, Var)>> {
+        Gpt::segment_param_lists(self)
+    }
+
+    fn tp_replicated_parameters(&self) -> Vec<String> {
+        Gpt::tp_replicated_parameters(self)
+    }
+
+    fn tp_split(&self, name: &str) -> TpSplit {
+        if self.tp_group().is_some() {
+            gpt_tp_split(name)
+        } else {
+            TpSplit::Replicated
+        }
+    }
+
+    fn config_hash(&self) -> String {
+        gpt_config_hash(self.config())
+    }
+
+    fn flops_per_token(&self, seq_len: usize) -> Option<f64> {
+        let c = self.config();
+        // PaLM's 6N + 12 L H Q T at the trained sequence length, plus the tied head's matmul
+        // that the model actually executes
+        let n = c.non_embedding_param_count() as f64;
+        let attn = 12.0 * c.n_layers as f64 * c.d_model as f64 * seq_len as f64;
+        Some(6.0 * n + attn + c.lm_head_flops_per_token())
+    }
+}
+
+/// What a model factory gets to build this rank's model.
+#[derive(Clone)]
+pub struct ModelContext<'a> {
+    /// The run configuration.
+    pub config: &'a RunConfig,
+    /// This rank's tensor-parallel group (one rank when `tp == 1`).
+    pub tp: Arc<dyn Communicator>,
+    /// The global rank.
+    pub rank: usize,
+}
+
+impl std::fmt::Debug for ModelContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelContext")
+            .field("rank", &self.rank)
+            .field("tp", &(self.tp.rank(), self.tp.world_size()))
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModelContext<'_> {
+    /// The default model: the configured GPT preset, seeded with the run's seed, computing in
+    /// the configured dtype, split over the tensor-parallel group when it has more than one
+    /// rank.
+    pub fn build_gpt(&self) -> Result<Gpt> {
+        let cfg = self.config.gpt_config()?;
+        let opts =
+            GptOptions::seeded(self.config.seed).with_compute_dtype(self.config.precision.dtype());
+        Ok(if self.tp.world_size() > 1 {
+            Gpt::tensor_parallel(&cfg, &opts, self.tp.clone())?
+        } else {
+            Gpt::new(&cfg, &opts)?
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flops_include_the_head_and_the_attention_at_seq_len() {
+        let cfg = GptConfig::tiny();
+        let m = Gpt::new(&cfg, &GptOptions::seeded(1)).unwrap();
+        // 2 blocks of 12 d^2 + 13 d with d = 128, plus ln_f
+        let n = (2 * (12 * 128 * 128 + 13 * 128) + 2 * 128) as f64;
+        let want = 6.0 * n + 12.0 * 2.0 * 128.0 * 32.0 + 6.0 * 512.0 * 128.0;
+        assert_eq!(m.flops_per_token(32), Some(want));
+        assert_eq!(m.tp_split("h.0.attn.c_attn.weight"), TpSplit::Replicated);
+        assert_eq!(gpt_tp_split("h.0.attn.c_attn.bias"), TpSplit::Qkv);
+        assert_eq!(gpt_tp_split("h.1.mlp.c_proj.weight"), TpSplit::Cols);
+        assert_eq!(gpt_tp_split("h.1.mlp.c_proj.bias"), TpSplit::Replicated);
+        assert_eq!(gpt_tp_split("wte"), TpSplit::Rows);
+        let h = TrainModel::config_hash(&m);
+        assert_eq!(h, gpt_config_hash(&GptConfig::tiny()));
+        assert_ne!(h, gpt_config_hash(&GptConfig::small_cpu()));
+    }
+}

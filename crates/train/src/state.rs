@@ -1,0 +1,653 @@
+//! The trainer's checkpoint state as kiln-ckpt [`Stateful`] parts.
+//!
+//! | part | adapter | holds |
+//! |------|---------|-------|
+//! | `model` | [`MasterWeights`] | fp32 master weights, one tensor per parameter |
+//! | `optim` | [`AdamMoments`] | AdamW `exp_avg/<name>` and `exp_avg_sq/<name>`, the step count |
+//! | `scaler` | [`ScalerPart`] | the loss scaler's state |
+//! | `loader` | [`LoaderPart`] | the data loader's [`kiln_data::LoaderState`] (JSON), skip set included |
+//! | `breaker` | [`BreakerPart`] | the circuit breaker's state, skipped sample windows included |
+//! | `trainer` | [`TrainerProgress`] | step counters, the detectors' recent inputs, the run hash |
+//! | `rng` | [`kiln_ckpt::RngState`] | the seed (every random draw is keyed by it) |
+//!
+//! # Parameters in a checkpoint
+//!
+//! Every parameter is stored under its own name with the shape of the **whole** (tensor-
+//! parallel unsplit) tensor, and each rank's piece records which slice it is ([`Shard`]), so a
+//! checkpoint loads at any data-parallel degree, ZeRO stage and tensor-parallel degree:
+//!
+//! - `tp == 1`: each rank saves, per parameter, the flat range its ZeRO chunk of the flat unit
+//!   buffer covers ([`Shard::Flat`]; with plain data parallelism every rank still saves only
+//!   its [`kiln_comm::chunk_range`] of each unit, so nothing is written twice). No collective.
+//! - `tp > 1`: the ranks of each data-parallel group first all-gather their units, then the
+//!   data-parallel rank 0 of every tensor-parallel rank saves its tensor-parallel shard of each
+//!   parameter as a [`Shard::Dim`] slice: rows for `TpSplit::Rows`, the last dimension for
+//!   `TpSplit::Cols`. The fused QKV (`TpSplit::Qkv`, rank `r` holding `[q_r | k_r | v_r]`) is
+//!   stored with the shape `[3, d, ...]` (the same bytes as `[3d, ...]`), where each rank's
+//!   part is the dim-1 slice `r * d / tp ..`. Replicated parameters are saved whole by
+//!   tensor-parallel rank 0. The gather costs one extra copy of the unit buffers during the
+//!   save.
+//!
+//! Loading asks kiln-ckpt's resharding loader for exactly the slices this rank needs (a flat
+//! range per parameter at `tp == 1`, the rank's tensor-parallel shard otherwise) and copies its
+//! ZeRO chunk out of them, so the values are bitwise the saved ones.
+
+use crate::error::{Result, TrainError};
+use kiln_ckpt::{
+    DType, Layout, ReshardRequest, Shard, StateDict, Stateful, TensorData, TensorSpec, Want,
+};
+use kiln_comm::{chunk_range, CommExt, Communicator};
+use kiln_data::{DataLoader, LoaderState};
+use kiln_monitor::{BreakerState, CircuitBreaker, ScalerEvent, StepMetrics};
+use kiln_optim::Optimizer;
+use kiln_parallel::tp::TpSplit;
+use kiln_parallel::{DataParallel, FlatLayout, Stage};
+use kiln_precision::{LossScaler, ScalerState};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+fn ck(e: impl std::fmt::Display) -> kiln_ckpt::CkptError {
+    kiln_ckpt::CkptError::Config(e.to_string())
+}
+
+/// One parameter's place in the flat units and in the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedParam {
+    /// The parameter name.
+    pub name: String,
+    /// Its unit.
+    pub unit: usize,
+    /// Its offset in the unit.
+    pub offset: usize,
+    /// Elements this rank holds of it (the tensor-parallel shard).
+    pub numel: usize,
+    /// The shape of the whole tensor as the checkpoint stores it.
+    pub global_shape: Vec<usize>,
+    /// This tensor-parallel rank's slice of the whole tensor (`None`: the whole tensor).
+    pub region: Option<Shard>,
+    /// The elements of this rank's (tensor-parallel) tensor that its master buffer holds.
+    pub mine: Range<usize>,
+    /// The elements it saves at `tp == 1`: those in its [`chunk_range`] of the unit (equal to
+    /// `mine` under ZeRO; a part of it with plain data parallelism, so no element is saved
+    /// twice).
+    pub save: Range<usize>,
+}
+
+/// Where every parameter of a [`FlatLayout`] goes in a checkpoint, for one rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPlan {
+    params: Vec<PlannedParam>,
+    /// Per unit, the range of the unit this rank's master buffer holds.
+    chunks: Vec<Range<usize>>,
+    unit_lens: Vec<usize>,
+    stage: Stage,
+    dp: usize,
+    dp_rank: usize,
+    tp: usize,
+    tp_rank: usize,
+}
+
+/// The checkpoint shape of a parameter whose tensor-parallel shard has shape `local`, and the
+/// shard's slice of it (`None` when the rank holds the whole tensor).
+pub fn checkpoint_geometry(
+    name: &str,
+    split: TpSplit,
+    local: &[usize],
+    tp: usize,
+    tp_rank: usize,
+) -> Result<(Vec<usize>, Option<Shard>)> {
+    let bad = |why: &str| TrainError::Checkpoint {
+        step: 0,
+        reason: format!("parameter {name} of shape {local:?} split {split:?}: {why}"),
+    };
+    if local.is_empty() {
+        return Ok((local.to_vec(), None));
+    }
+    let (global, dim, n) = match split {
+        TpSplit::Replicated => return Ok((local.to_vec(), None)),
+        TpSplit::Rows => {
+            let mut g = local.to_vec();
+            g[0] *= tp;
+            (g, 0, local[0])
+        }
+        TpSplit::Cols => {
+            let last = local.len() - 1;
+            let mut g = local.to_vec();
+            g[last] *= tp;
+            (g, last, local[last])
+        }
+        TpSplit::Qkv => {
+            if local[0] % 3 != 0 {
+                return Err(bad("the fused QKV dimension is not a multiple of 3"));
+            }
+            let m = local[0] / 3;
+            let mut g = vec![3, m * tp];
+            g.extend_from_slice(&local[1..]);
+            (g, 1, m)
+        }
+    };
+    let region = (tp > 1).then(|| Shard::dim(&global, dim, tp_rank * n, n));
+    Ok((global, region))
+}
+
+impl ShardPlan {
+    /// The plan of rank (`dp_rank`, `tp_rank`) for `layout` under `stage`; `split` tells how
+    /// each parameter is split over the `tp` ranks.
+    pub fn new(
+        layout: &FlatLayout,
+        stage: Stage,
+        (dp, dp_rank): (usize, usize),
+        (tp, tp_rank): (usize, usize),
+        split: impl Fn(&str) -> TpSplit,
+    ) -> Result<Self> {
+        let chunks: Vec<Range<usize>> = layout
+            .units()
+            .iter()
+            .map(|u| {
+                if stage == Stage::Replicated {
+                    0..u.len
+                } else {
+                    chunk_range(u.len, dp, dp_rank)
+                }
+            })
+            .collect();
+        let mut params = Vec::with_capacity(layout.params().len());
+        for slot in layout.params() {
+            let (global_shape, region) =
+                checkpoint_geometry(&slot.name, split(&slot.name), &slot.shape, tp, tp_rank)?;
+            let overlap = |c: &Range<usize>| {
+                let lo = slot.offset.max(c.start);
+                let hi = (slot.offset + slot.numel).min(c.end);
+                if lo < hi {
+                    lo - slot.offset..hi - slot.offset
+                } else {
+                    0..0
+                }
+            };
+            let mine = overlap(&chunks[slot.unit]);
+            let save = overlap(&chunk_range(layout.units()[slot.unit].len, dp, dp_rank));
+            params.push(PlannedParam {
+                name: slot.name.clone(),
+                unit: slot.unit,
+                offset: slot.offset,
+                numel: slot.numel,
+                global_shape,
+                region,
+                mine,
+                save,
+            });
+        }
+        Ok(ShardPlan {
+            params,
+            chunks,
+            unit_lens: layout.units().iter().map(|u| u.len).collect(),
+            stage,
+            dp,
+            dp_rank,
+            tp,
+            tp_rank,
+        })
+    }
+
+    /// The planned parameters, in layout order.
+    pub fn params(&self) -> &[PlannedParam] {
+        &self.params
+    }
+
+    /// What this rank asks the resharding loader for: per parameter overlapping its chunk, in
+    /// each of the parts `model` (`<name>`) and `optim` (`exp_avg/<name>`, `exp_avg_sq/<name>`).
+    pub fn reshard_request(&self, layout: Layout) -> ReshardRequest {
+        let mut req = ReshardRequest::new(layout);
+        for p in self.params.iter().filter(|p| !p.mine.is_empty()) {
+            let want = self.want(p);
+            for full in [
+                format!("model/{}", p.name),
+                format!("optim/exp_avg/{}", p.name),
+                format!("optim/exp_avg_sq/{}", p.name),
+            ] {
+                req = req.tensor(&full, want.clone());
+            }
+        }
+        req
+    }
+
+    fn want(&self, p: &PlannedParam) -> Want {
+        if self.tp == 1 {
+            Want::Slice(Shard::flat(&p.global_shape, p.mine.start, p.mine.len()))
+        } else {
+            match &p.region {
+                Some(s) => Want::Slice(s.clone()),
+                None => Want::Full,
+            }
+        }
+    }
+
+    fn expected_shape(&self, p: &PlannedParam) -> Vec<usize> {
+        if self.tp == 1 {
+            vec![p.mine.len()]
+        } else {
+            p.region
+                .as_ref()
+                .map_or_else(|| p.global_shape.clone(), Shard::local_shape)
+        }
+    }
+
+    fn spec(&self, prefixes: &[&str]) -> BTreeMap<String, TensorSpec> {
+        let mut out = BTreeMap::new();
+        for p in self.params.iter().filter(|p| !p.mine.is_empty()) {
+            for prefix in prefixes {
+                out.insert(
+                    format!("{prefix}{}", p.name),
+                    TensorSpec {
+                        dtype: DType::F32,
+                        shape: self.expected_shape(p),
+                    },
+                );
+            }
+        }
+        out
+    }
+
+    /// The whole (tensor-parallel local) unit `u` from this rank's chunk `mine` of it:
+    /// all-gathered over the data-parallel group under ZeRO.
+    fn full_unit(&self, dp: &dyn Communicator, u: usize, mine: &[f32]) -> Result<Vec<f32>> {
+        if self.stage == Stage::Replicated {
+            return Ok(mine.to_vec());
+        }
+        let mut full = vec![0.0f32; self.unit_lens[u]];
+        dp.all_gather(mine, &mut full)?;
+        Ok(full)
+    }
+
+    /// The tensors of this rank's pieces of the per-unit buffers `units` (this rank's chunks),
+    /// each named `{prefix}{param}`. Collective over `dp` when `tp > 1`.
+    fn save_buffers(
+        &self,
+        dp: &dyn Communicator,
+        sd: &mut StateDict,
+        prefix: &str,
+        units: &[&[f32]],
+    ) -> Result<()> {
+        if self.tp == 1 {
+            for p in self.params.iter().filter(|p| !p.save.is_empty()) {
+                let base = p.offset + p.save.start - self.chunks[p.unit].start;
+                let data = &units[p.unit][base..base + p.save.len()];
+                let t = TensorData::from_slice(&[data.len()], data)?;
+                let shard = Shard::flat(&p.global_shape, p.save.start, p.save.len());
+                sd.insert_sharded(&format!("{prefix}{}", p.name), t, shard)?;
+            }
+            return Ok(());
+        }
+        let full: Vec<Vec<f32>> = units
+            .iter()
+            .enumerate()
+            .map(|(u, mine)| self.full_unit(dp, u, mine))
+            .collect::<Result<_>>()?;
+        if self.dp_rank != 0 {
+            return Ok(());
+        }
+        for p in &self.params {
+            let data = &full[p.unit][p.offset..p.offset + p.numel];
+            let name = format!("{prefix}{}", p.name);
+            match &p.region {
+                Some(s) => {
+                    let t = TensorData::from_slice(&s.local_shape(), data)?;
+                    sd.insert_sharded(&name, t, s.clone())?;
+                }
+                None if self.tp_rank == 0 => {
+                    sd.insert(&name, TensorData::from_slice(&p.global_shape, data)?)?;
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the loaded tensors `{prefix}{param}` into this rank's per-unit chunks `units`.
+    fn load_buffers(&self, sd: &StateDict, prefix: &str, units: &mut [Vec<f32>]) -> Result<()> {
+        for p in self.params.iter().filter(|p| !p.mine.is_empty()) {
+            let name = format!("{prefix}{}", p.name);
+            let values: Vec<f32> = sd.get(&name)?;
+            let src = if self.tp == 1 {
+                &values[..]
+            } else {
+                values
+                    .get(p.mine.clone())
+                    .ok_or_else(|| TrainError::Checkpoint {
+                        step: 0,
+                        reason: format!(
+                            "tensor {name} has {} elements, fewer than {}",
+                            values.len(),
+                            p.mine.end
+                        ),
+                    })?
+            };
+            let base = p.offset + p.mine.start - self.chunks[p.unit].start;
+            let dst = units
+                .get_mut(p.unit)
+                .and_then(|b| b.get_mut(base..base + src.len()))
+                .ok_or_else(|| TrainError::Checkpoint {
+                    step: 0,
+                    reason: format!("tensor {name} does not fit unit {}", p.unit),
+                })?;
+            dst.copy_from_slice(src);
+        }
+        Ok(())
+    }
+}
+
+/// The fp32 master weights of a [`DataParallel`] engine as the `model` part (see the module
+/// docs for the layout). `state` is collective over the data-parallel group when `tp > 1`.
+pub struct MasterWeights<'a> {
+    engine: &'a mut DataParallel,
+    plan: &'a ShardPlan,
+    dp: &'a dyn Communicator,
+}
+
+impl<'a> MasterWeights<'a> {
+    /// The adapter over `engine`, laid out by `plan`, gathering over `dp` when needed.
+    pub fn new(
+        engine: &'a mut DataParallel,
+        plan: &'a ShardPlan,
+        dp: &'a dyn Communicator,
+    ) -> Self {
+        Self { engine, plan, dp }
+    }
+}
+
+impl Stateful for MasterWeights<'_> {
+    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+        let mut sd = StateDict::new();
+        let units: Vec<&[f32]> = self.engine.master().iter().map(Vec::as_slice).collect();
+        self.plan
+            .save_buffers(self.dp, &mut sd, "", &units)
+            .map_err(ck)?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+        let mut master: Vec<Vec<f32>> = self.engine.master().to_vec();
+        self.plan
+            .load_buffers(&state, "", &mut master)
+            .map_err(ck)?;
+        self.engine.load_master(master).map_err(ck)
+    }
+
+    fn state_spec(&self) -> kiln_ckpt::Result<BTreeMap<String, TensorSpec>> {
+        Ok(self.plan.spec(&[""]))
+    }
+}
+
+/// The AdamW moments and step count of a [`DataParallel`] engine as the `optim` part, sharded
+/// like [`MasterWeights`].
+pub struct AdamMoments<'a> {
+    engine: &'a mut DataParallel,
+    plan: &'a ShardPlan,
+    dp: &'a dyn Communicator,
+}
+
+impl<'a> AdamMoments<'a> {
+    /// The adapter over `engine`, laid out by `plan`, gathering over `dp` when needed.
+    pub fn new(
+        engine: &'a mut DataParallel,
+        plan: &'a ShardPlan,
+        dp: &'a dyn Communicator,
+    ) -> Self {
+        Self { engine, plan, dp }
+    }
+}
+
+const EXP_AVG: &str = "exp_avg/";
+const EXP_AVG_SQ: &str = "exp_avg_sq/";
+
+impl Stateful for AdamMoments<'_> {
+    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+        let mut sd = StateDict::new();
+        let opt = self.engine.optimizers();
+        let m: Vec<&[f32]> = opt.iter().map(|o| o.exp_avg()).collect();
+        let v: Vec<&[f32]> = opt.iter().map(|o| o.exp_avg_sq()).collect();
+        self.plan
+            .save_buffers(self.dp, &mut sd, EXP_AVG, &m)
+            .map_err(ck)?;
+        self.plan
+            .save_buffers(self.dp, &mut sd, EXP_AVG_SQ, &v)
+            .map_err(ck)?;
+        let steps = opt.first().map_or(0, |o| o.step_count());
+        sd.set_meta("step_count", steps)?;
+        sd.set_meta("adamw", opt.first().map(|o| *o.config()))?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+        let steps: u64 = state.meta("step_count")?;
+        let opt = self.engine.optimizers();
+        let mut m: Vec<Vec<f32>> = opt.iter().map(|o| o.exp_avg().to_vec()).collect();
+        let mut v: Vec<Vec<f32>> = opt.iter().map(|o| o.exp_avg_sq().to_vec()).collect();
+        self.plan
+            .load_buffers(&state, EXP_AVG, &mut m)
+            .map_err(ck)?;
+        self.plan
+            .load_buffers(&state, EXP_AVG_SQ, &mut v)
+            .map_err(ck)?;
+        for ((o, m), v) in self.engine.optimizers_mut().iter_mut().zip(m).zip(v) {
+            let (om, ov) = o.moments_mut();
+            if om.len() != m.len() || ov.len() != v.len() {
+                return Err(ck(format!(
+                    "optimizer moments of {} elements, checkpoint chunk of {}",
+                    om.len(),
+                    m.len()
+                )));
+            }
+            om.copy_from_slice(&m);
+            ov.copy_from_slice(&v);
+            o.set_step_count(steps);
+        }
+        Ok(())
+    }
+
+    fn state_spec(&self) -> kiln_ckpt::Result<BTreeMap<String, TensorSpec>> {
+        Ok(self.plan.spec(&[EXP_AVG, EXP_AVG_SQ]))
+    }
+}
+
+/// A loss scaler as the `scaler` part (metadata `state`).
+pub struct ScalerPart<'a>(pub &'a mut dyn LossScaler);
+
+impl Stateful for ScalerPart<'_> {
+    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+        let mut sd = StateDict::new();
+        sd.set_meta("state", self.0.state())?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+        let s: ScalerState = state.meta("state")?;
+        self.0.load_state(&s).map_err(ck)
+    }
+}
+
+/// A data loader as the `loader` part (metadata `state`: its [`LoaderState`], skip set
+/// included). Loading into another data-parallel degree reshards the position.
+pub struct LoaderPart<'a>(pub &'a mut DataLoader);
+
+impl Stateful for LoaderPart<'_> {
+    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+        let mut sd = StateDict::new();
+        sd.set_meta("state", self.0.state())?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+        let s: LoaderState = state.meta("state")?;
+        self.0.load_state(s).map_err(ck)
+    }
+}
+
+/// A circuit breaker as the `breaker` part (metadata `state`).
+pub struct BreakerPart<'a>(pub &'a mut CircuitBreaker);
+
+impl Stateful for BreakerPart<'_> {
+    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+        let mut sd = StateDict::new();
+        sd.set_meta("state", self.0.state())?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+        let s: BreakerState = state.meta("state")?;
+        self.0.load_state(s);
+        Ok(())
+    }
+}
+
+/// What the detectors saw of one step; replayed into fresh detectors on resume so their
+/// rolling windows continue exactly.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DetectorInput {
+    /// The step.
+    pub step: u64,
+    /// Its loss.
+    pub loss: Option<f64>,
+    /// Its gradient norm.
+    pub grad_norm: Option<f64>,
+    /// What the loss scaler did.
+    pub scaler_event: Option<ScalerEvent>,
+}
+
+impl DetectorInput {
+    /// The record of `m` the detectors need.
+    pub fn of(m: &StepMetrics) -> Self {
+        DetectorInput {
+            step: m.step,
+            loss: m.loss,
+            grad_norm: m.grad_norm,
+            scaler_event: m.scaler_event,
+        }
+    }
+
+    /// Back to a step record.
+    pub fn to_metrics(&self) -> StepMetrics {
+        StepMetrics {
+            step: self.step,
+            loss: self.loss,
+            grad_norm: self.grad_norm,
+            scaler_event: self.scaler_event,
+            ..StepMetrics::default()
+        }
+    }
+}
+
+/// The trainer's own counters, as the `trainer` part (metadata `progress`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainerProgress {
+    /// Steps completed (a skipped step counts).
+    pub step: u64,
+    /// Optimizer steps taken (the learning-rate schedule's position).
+    pub optimizer_steps: u64,
+    /// Steps whose update was not applied (loss-scaler overflows, skipped batches).
+    pub skipped_steps: u64,
+    /// Tokens trained on, over all data-parallel ranks.
+    pub tokens_seen: u64,
+    /// Samples trained on, over all data-parallel ranks.
+    pub samples_seen: u64,
+    /// [`crate::RunConfig::trajectory_hash`] of the run that saved it.
+    pub run_hash: String,
+    /// The detectors' recent inputs, oldest first.
+    pub detector_log: Vec<DetectorInput>,
+}
+
+impl Stateful for TrainerProgress {
+    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+        let mut sd = StateDict::new();
+        sd.set_meta("progress", self)?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+        *self = state.meta("progress")?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qkv_is_a_dim_one_slice_of_a_three_way_tensor() {
+        // d = 4, tp = 2: rank 1 holds rows [2, 3, 6, 7, 10, 11] of [12, 5]
+        let (g, r) = checkpoint_geometry("qkv", TpSplit::Qkv, &[6, 5], 2, 1).unwrap();
+        assert_eq!(g, [3, 4, 5]);
+        let r = r.unwrap();
+        assert_eq!(r, Shard::dim(&[3, 4, 5], 1, 2, 2));
+        assert_eq!(r.local_shape(), [3, 2, 5]);
+        let (g, r) = checkpoint_geometry("qkv", TpSplit::Qkv, &[12, 5], 1, 0).unwrap();
+        assert_eq!((g, r), (vec![3, 4, 5], None));
+        let (g, r) = checkpoint_geometry("w", TpSplit::Cols, &[8, 3], 4, 2).unwrap();
+        assert_eq!((g.clone(), r), (vec![8, 12], Some(Shard::dim(&g, 1, 6, 3))));
+        let (g, r) = checkpoint_geometry("b", TpSplit::Rows, &[8], 2, 1).unwrap();
+        assert_eq!((g.clone(), r), (vec![16], Some(Shard::dim(&g, 0, 8, 8))));
+        assert!(checkpoint_geometry("x", TpSplit::Qkv, &[7, 2], 2, 0).is_err());
+    }
+
+    /// The flat bytes of a Qkv shard equal the dim-1 slice of the `[3, d, ..]` view: checked
+    /// against `TpSplit::shard` on real tensors.
+    #[test]
+    fn qkv_region_matches_tp_split_shard() {
+        use candle_core::{Device, Tensor};
+        let full = Tensor::arange(0f32, 60., &Device::Cpu)
+            .unwrap()
+            .reshape((12, 5))
+            .unwrap();
+        for rank in 0..2 {
+            let shard = TpSplit::Qkv.shard(&full, 2, rank).unwrap();
+            let got: Vec<f32> = shard.flatten_all().unwrap().to_vec1().unwrap();
+            let (g, r) = checkpoint_geometry("qkv", TpSplit::Qkv, shard.dims(), 2, rank).unwrap();
+            let Some(Shard::Dim(s)) = r else { panic!() };
+            let view = full.reshape(g.as_slice()).unwrap();
+            let want: Vec<f32> = view
+                .narrow(s.dim, s.start, s.len)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn plan_covers_every_element_once_across_ranks() {
+        let segs = vec![
+            vec![
+                ("a".to_string(), vec![7usize]),
+                ("b".to_string(), vec![2, 3]),
+            ],
+            vec![("c".to_string(), vec![5])],
+        ];
+        let layout = FlatLayout::new(&segs, 9).unwrap();
+        for stage in [Stage::Replicated, Stage::Zero1, Stage::Zero3] {
+            let mut seen: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+            for r in 0..3 {
+                let plan = ShardPlan::new(&layout, stage, (3, r), (1, 0), |_| TpSplit::Replicated)
+                    .unwrap();
+                for p in plan.params() {
+                    seen.entry(p.name.clone())
+                        .or_default()
+                        .extend(p.save.clone());
+                    if stage == Stage::Replicated {
+                        assert_eq!(p.mine, 0..p.numel);
+                    } else {
+                        assert_eq!(p.mine, p.save);
+                    }
+                }
+            }
+            for (name, mut v) in seen {
+                v.sort_unstable();
+                let n = layout.params()[layout.index(&name).unwrap()].numel;
+                assert_eq!(v, (0..n).collect::<Vec<_>>(), "{name}");
+            }
+        }
+    }
+}
