@@ -27,8 +27,10 @@ pub trait TrainModel: SegmentedModel {
         Vec::new()
     }
 
-    /// How parameter `name` is split over the tensor-parallel group; checkpoints store the
-    /// whole tensor's shape and each rank's slice of it, so they load at another tp degree.
+    /// How parameter `name` is split over the tensor-parallel group. Checkpoints store each
+    /// parameter with the whole tensor's shape (derived from this split) and each rank's slice
+    /// of it, so they load at another tp degree: the answer must not depend on the degree, and
+    /// holds at `tp = 1` too (where it only shapes the checkpoint).
     fn tp_split(&self, name: &str) -> TpSplit {
         let _ = name;
         TpSplit::Replicated
@@ -78,11 +80,7 @@ impl TrainModel for Gpt {
     }
 
     fn tp_split(&self, name: &str) -> TpSplit {
-        if self.tp_group().is_some() {
-            gpt_tp_split(name)
-        } else {
-            TpSplit::Replicated
-        }
+        gpt_tp_split(name)
     }
 
     fn config_hash(&self) -> String {
@@ -147,7 +145,7 @@ mod tests {
         let n = (2 * (12 * 128 * 128 + 13 * 128) + 2 * 128) as f64;
         let want = 6.0 * n + 12.0 * 2.0 * 128.0 * 32.0 + 6.0 * 512.0 * 128.0;
         assert_eq!(m.flops_per_token(32), Some(want));
-        assert_eq!(m.tp_split("h.0.attn.c_attn.weight"), TpSplit::Replicated);
+        assert_eq!(m.tp_split("h.0.attn.c_attn.weight"), TpSplit::Qkv);
         assert_eq!(gpt_tp_split("h.0.attn.c_attn.bias"), TpSplit::Qkv);
         assert_eq!(gpt_tp_split("h.1.mlp.c_proj.weight"), TpSplit::Cols);
         assert_eq!(gpt_tp_split("h.1.mlp.c_proj.bias"), TpSplit::Replicated);

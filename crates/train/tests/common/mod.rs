@@ -76,18 +76,23 @@ pub fn assert_params_bitwise(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)])
     }
 }
 
-/// The largest absolute and relative difference over all parameters (by name).
-pub fn max_param_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f64, f64) {
+/// The largest absolute difference over all parameters (by name), its parameter, and the
+/// largest relative one (to max(|p|, 1e-3)).
+pub fn max_param_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f64, String, f64) {
     let mut abs = 0.0f64;
+    let mut worst = String::new();
     let mut rel = 0.0f64;
     for ((na, va), (nb, vb)) in a.iter().zip(b) {
         assert_eq!(na, nb);
         assert_eq!(va.len(), vb.len());
         for (x, y) in va.iter().zip(vb) {
             let d = (*x as f64 - *y as f64).abs();
-            abs = abs.max(d);
+            if d > abs {
+                abs = d;
+                worst = na.clone();
+            }
             rel = rel.max(d / (*y as f64).abs().max(1e-3));
         }
     }
-    (abs, rel)
+    (abs, worst, rel)
 }
