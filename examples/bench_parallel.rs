@@ -2,11 +2,12 @@
 //!
 //! Prints one JSON line per configuration: plain data parallel at dp=1 and dp=2 (gradient
 //! all-reduce overlapped with the backward on a communication thread, and not), ZeRO stages 1-3
-//! at dp=2, and tensor parallel at tp=2. All ranks are threads of this process sharing the
+//! at dp=2, tensor parallel at tp=2, and dp=2 x tp=2 with ZeRO-1. All ranks are threads of this process sharing the
 //! machine's cores, so on a 2-core machine dp=2 cannot be faster than dp=1 per token: the numbers
 //! compare the strategies' overheads with each other, at the same global batch.
 //!
-//! Run: `cargo run --release --example bench_parallel` (`-- --steps N`, `-- --preset tiny`).
+//! Run: `cargo run --release --example bench_parallel` (`-- --steps N`, `--preset tiny`,
+//! `--dtype f16|bf16` for the compute dtype, `--only dp2_tp2_zero1` for one configuration).
 
 use candle_core::{Device, Tensor};
 use kiln_comm::{spawn, Communicator, ThreadComm};
@@ -40,6 +41,12 @@ fn main() -> anyhow::Result<()> {
     };
     let steps: usize = flag("--steps").map(|s| s.parse()).transpose()?.unwrap_or(4);
     let preset = flag("--preset").unwrap_or_else(|| "small_cpu".into());
+    let dtype = match flag("--dtype").as_deref() {
+        Some("f16") => candle_core::DType::F16,
+        Some("bf16") => candle_core::DType::BF16,
+        _ => candle_core::DType::F32,
+    };
+    let only = flag("--only");
     let cfg = GptConfig::by_name(&preset)?;
     let (global_batch, seq) = (8usize, cfg.n_ctx.min(128));
     let shape = ModelShape {
@@ -99,8 +106,18 @@ fn main() -> anyhow::Result<()> {
             stage: Stage::Replicated,
             overlap: true,
         },
+        Case {
+            name: "dp2_tp2_zero1",
+            dp: 2,
+            tp: 2,
+            stage: Stage::Zero1,
+            overlap: true,
+        },
     ];
     for c in cases {
+        if only.as_deref().is_some_and(|o| o != c.name) {
+            continue;
+        }
         let world = c.dp * c.tp;
         let results = spawn(
             world,
@@ -109,7 +126,11 @@ fn main() -> anyhow::Result<()> {
                 let groups = dims.build_groups(&comm)?;
                 let world_comm: Arc<dyn Communicator> = Arc::new(comm);
                 let tp: Arc<dyn Communicator> = Arc::from(groups.tp);
-                let model = Gpt::tensor_parallel(&cfg, &GptOptions::seeded(1), tp.clone())?;
+                let model = Gpt::tensor_parallel(
+                    &cfg,
+                    &GptOptions::seeded(1).with_compute_dtype(dtype),
+                    tp.clone(),
+                )?;
                 let dpc = DataParallelConfig {
                     stage: c.stage,
                     overlap: c.overlap,
@@ -149,7 +170,7 @@ fn main() -> anyhow::Result<()> {
         let (wait_s, compute_s) = (results[0].1, results[0].2);
         let tokens = (global_batch * seq) as f64;
         println!(
-            "{{\"bench\":\"parallel\",\"config\":\"{}\",\"preset\":\"{}\",\"dp\":{},\"tp\":{},\"zero_stage\":{},\"overlap\":{},\"global_batch\":{global_batch},\"seq\":{seq},\"steps\":{steps},\"step_s\":{step_s:.4},\"tokens_per_s\":{:.1},\"compute_s\":{compute_s:.4},\"comm_wait_s\":{wait_s:.4}}}",
+            "{{\"bench\":\"parallel\",\"config\":\"{}\",\"preset\":\"{}\",\"dp\":{},\"tp\":{},\"zero_stage\":{},\"overlap\":{},\"dtype\":\"{dtype:?}\",\"global_batch\":{global_batch},\"seq\":{seq},\"steps\":{steps},\"step_s\":{step_s:.4},\"tokens_per_s\":{:.1},\"compute_s\":{compute_s:.4},\"comm_wait_s\":{wait_s:.4}}}",
             c.name,
             preset,
             c.dp,

@@ -12,6 +12,7 @@
 //! - `data`: tokenizer, token shards, distributed sampler, mixture, quality filters, prefetch.
 //! - `ckpt`: sharded, atomic, checksummed checkpoints with resharding.
 //! - `monitor`: metrics, sinks (JSONL, console, TensorBoard, PNG), detectors, circuit breaker.
+//! - `train`: the reference `Trainer` assembled from all of the above, and `RunConfig`.
 //!
 //! ```
 //! use kiln::comm::{spawn, CommExt, Communicator, ReduceOp};
@@ -37,3 +38,5 @@ pub use kiln_optim as optim;
 pub use kiln_parallel as parallel;
 #[cfg(feature = "precision")]
 pub use kiln_precision as precision;
+#[cfg(feature = "train")]
+pub use kiln_train as train;

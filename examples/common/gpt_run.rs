@@ -1,0 +1,104 @@
+//! The shared body of the `train_gpt*` examples: parse the flags over a run preset, train on
+//! thread ranks with kiln-train's `Trainer`, print the summary, and generate a sample with the
+//! trained model.
+
+use kiln_model::{generate, Sampling};
+use kiln_train::{run_threads_with, RunConfig, Trainer};
+use std::time::Instant;
+
+/// Trains the `preset` run with the command line's overrides (`--steps 100 --dp 2 ...`).
+pub fn main_for(preset: &str) -> anyhow::Result<()> {
+    let cfg = RunConfig::from_args(preset, std::env::args().skip(1))?;
+    cfg.validate()?;
+    let gpt = cfg.gpt_config()?;
+    println!(
+        "kiln {preset}: GPT-3 architecture scaled down ({} layers, d_model {}, {} heads, ctx {}, vocab {}: {:.2}M parameters)",
+        gpt.n_layers,
+        gpt.d_model,
+        gpt.n_heads,
+        cfg.train.seq_len,
+        gpt.vocab_size,
+        gpt.param_count() as f64 / 1e6
+    );
+    println!(
+        "  {} thread ranks as dp={} x tp={}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}",
+        cfg.parallel.world(),
+        cfg.parallel.dp,
+        cfg.parallel.tp,
+        cfg.parallel.zero,
+        cfg.precision.compute,
+        if cfg.precision.compute == kiln_precision::ComputeDType::F32 { "" } else { " with dynamic loss scaling" },
+        cfg.train.steps,
+        cfg.train.micro_batch * cfg.train.accumulation * cfg.parallel.dp,
+        cfg.train.activation_checkpointing
+    );
+    let t0 = Instant::now();
+    let tokenizer_path = cfg.data_cache_dir()?.join("tokenizer.json");
+    let results = run_threads_with(&cfg, |ctx| {
+        let mut trainer = Trainer::builder(ctx.config.clone()).build(ctx.comm)?;
+        while trainer.step() < ctx.config.train.steps {
+            trainer.train_step()?;
+        }
+        if ctx.config.parallel.zero == 3 {
+            // ZeRO-3 keeps only shards: gather them into the model's variables to generate
+            let vars = trainer.model().named_parameters();
+            for (name, values) in trainer.engine().full_params()? {
+                if let Some((_, v)) = vars.iter().find(|(n, _)| *n == name) {
+                    kiln_parallel::write_var(v, &values)?;
+                }
+            }
+        }
+        // every rank runs the generation (tensor-parallel ranks in lockstep, same seed)
+        let tok = kiln_data::Tokenizer::from_file(&tokenizer_path)?;
+        let prompt = tok.encode("ROMEO:\nBut soft, what light")?;
+        let out = generate(
+            trainer.model(),
+            &prompt,
+            60,
+            Sampling::TopK {
+                k: 40,
+                temperature: 0.8,
+            },
+            7,
+        )?;
+        let text = tok.decode(&out)?;
+        Ok((trainer.finish()?, text))
+    })?;
+    let (summary, sample) = results
+        .into_iter()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no rank ran"))?;
+    let wall = t0.elapsed().as_secs_f64();
+    println!();
+    println!(
+        "done: {} steps in {wall:.1} s ({:.0} tokens/s over the run)",
+        summary.steps, summary.tokens_per_s
+    );
+    if let Some(l) = summary.final_loss {
+        println!("  final training loss {l:.4}");
+    }
+    if let Some(v) = summary.val_loss {
+        println!("  validation loss     {v:.4} (perplexity {:.1})", v.exp());
+    }
+    if let Some(r) = summary.resumed_from {
+        println!("  resumed from the step-{r} checkpoint");
+    }
+    if !summary.rollbacks.is_empty() {
+        println!("  rollbacks: {:?}", summary.rollbacks);
+    }
+    println!("  skipped steps: {}", summary.skipped_steps);
+    let o = &summary.outputs;
+    for (what, p) in [
+        ("metrics (JSONL)", &o.jsonl),
+        ("TensorBoard", &o.tensorboard),
+        ("loss plot", &o.png),
+        ("checkpoints", &o.checkpoints),
+    ] {
+        if let Some(p) = p {
+            println!("  {what:<16} {}", p.display());
+        }
+    }
+    println!();
+    println!("sample (top-k 40, temperature 0.8):\n{sample}");
+    Ok(())
+}

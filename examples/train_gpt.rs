@@ -1,0 +1,16 @@
+//! The main job: the GPT-3 architecture scaled down (`small_cpu`: 4 layers, d_model 256,
+//! 4 heads, vocab 8192) trained on the committed corpus by 4 thread ranks as data parallel 2 x
+//! tensor parallel 2 with ZeRO-1, fp16 compute with dynamic loss scaling, activation
+//! checkpointing, warmup + cosine, clipping, checkpoints, spike detection with rollback, and
+//! JSONL + TensorBoard + PNG metrics. Prints progress, where the outputs went, and a sample.
+//!
+//! Run: `cargo run --release --example train_gpt` (flags: `--preset small_cpu`, `--dp 2`,
+//! `--tp 2`, `--zero 1`, `--precision f16|bf16|f32`, `--steps N`, `--resume`,
+//! `--config run.toml`, and any `RunConfig` field as `--section.field value`).
+
+#[path = "common/gpt_run.rs"]
+mod gpt_run;
+
+fn main() -> anyhow::Result<()> {
+    gpt_run::main_for("train_gpt")
+}

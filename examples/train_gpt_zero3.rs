@@ -1,0 +1,12 @@
+//! ZeRO-3: the `train_gpt` model and data on 4 data-parallel thread ranks, with parameters,
+//! gradients and optimizer states sharded (each segment's parameters are all-gathered just
+//! before it runs and dropped after).
+//!
+//! Run: `cargo run --release --example train_gpt_zero3` (same flags as `train_gpt`).
+
+#[path = "common/gpt_run.rs"]
+mod gpt_run;
+
+fn main() -> anyhow::Result<()> {
+    gpt_run::main_for("train_gpt_zero3")
+}
