@@ -87,13 +87,14 @@ impl TrainModel for Gpt {
         gpt_config_hash(self.config())
     }
 
+    /// kiln-model's [`GptConfig::flops_per_token`] (PaLM's `6 N + 12 L H Q T`) at the trained
+    /// sequence length `T = seq_len`, plus [`GptConfig::lm_head_flops_per_token`]: the tied
+    /// head's matmul is executed like any other, and on small vocabulary-heavy models it is a
+    /// large share of the work.
     fn flops_per_token(&self, seq_len: usize) -> Option<f64> {
-        let c = self.config();
-        // PaLM's 6N + 12 L H Q T at the trained sequence length, plus the tied head's matmul
-        // that the model actually executes
-        let n = c.non_embedding_param_count() as f64;
-        let attn = 12.0 * c.n_layers as f64 * c.d_model as f64 * seq_len as f64;
-        Some(6.0 * n + attn + c.lm_head_flops_per_token())
+        let mut c = self.config().clone();
+        c.n_ctx = seq_len;
+        Some(c.flops_per_token() + c.lm_head_flops_per_token())
     }
 }
 

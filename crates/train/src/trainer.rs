@@ -296,6 +296,25 @@ impl<M: TrainModel> TrainerBuilder<M> {
             ..LoaderConfig::new(cfg.train.seq_len, cfg.train.rank_batch())
         };
         let mut loader = DataLoader::new(sources.train.clone(), None, loader_cfg.clone())?;
+        let evaluates = cfg.eval.batches > 0 && (cfg.eval.every > 0 || cfg.eval.at_end);
+        if evaluates && !sources.val.is_empty() {
+            // fail now, not at the first evaluation, on a validation split too small to batch
+            let val_cfg = LoaderConfig {
+                batch_size: cfg.train.micro_batch,
+                workers: 0,
+                ..loader_cfg.clone()
+            };
+            DataLoader::new(sources.val.clone(), None, val_cfg).map_err(|e| {
+                TrainError::config(
+                    "RunConfig.eval",
+                    format!(
+                        "the validation split cannot make batches of {} x {} sequences of {} \
+                         tokens: {e}",
+                        p.dp, cfg.train.micro_batch, cfg.train.seq_len
+                    ),
+                )
+            })?;
+        }
         for t in self.transforms {
             loader.add_transform(t);
         }
@@ -1309,6 +1328,29 @@ impl<M: TrainModel> Trainer<M> {
             last_metrics: self.last_metrics,
             outputs: self.outputs,
         })
+    }
+
+    /// Makes the model's own variables hold the trained weights, so it can be used outside
+    /// the engine (generation, export): under ZeRO-3 the engine keeps only shards and the
+    /// model's variables still hold their initial values; this gathers the shards into them
+    /// (collective over the data-parallel group). A no-op for the other stages, whose
+    /// variables the engine updates after every step.
+    pub fn materialize_weights(&self) -> Result<()> {
+        if self.engine.config().stage != Stage::Zero3 {
+            return Ok(());
+        }
+        let vars: std::collections::HashMap<String, Var> = self
+            .model
+            .segment_param_lists()
+            .into_iter()
+            .flatten()
+            .collect();
+        for (name, values) in self.engine.full_params()? {
+            if let Some(v) = vars.get(&name) {
+                kiln_parallel::write_var(v, &values)?;
+            }
+        }
+        Ok(())
     }
 
     /// Every parameter, whole (tensor-parallel shards joined), by name in layout order: the
