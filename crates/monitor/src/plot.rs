@@ -275,17 +275,39 @@ fn moving_average(points: &[(f64, f64)], w: usize) -> Vec<(f64, f64)> {
     out
 }
 
+/// Three significant digits: `0.00125` stays distinct from `0.0015` (a learning-rate axis).
 fn format_tick(v: f64) -> String {
     let a = v.abs();
     if a == 0.0 {
         "0".into()
-    } else if !(1e-3..1e5).contains(&a) {
+    } else if !(1e-2..1e5).contains(&a) {
         format!("{v:.2e}")
     } else if a >= 100.0 {
         format!("{v:.0}")
     } else {
-        let s = format!("{v:.3}");
-        s.trim_end_matches('0').trim_end_matches('.').to_string()
+        let decimals = (2 - a.log10().floor() as i32).max(0) as usize;
+        let s = format!("{v:.decimals$}");
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            s
+        }
+    }
+}
+
+#[cfg(test)]
+mod tick_tests {
+    use super::format_tick;
+
+    #[test]
+    fn ticks_keep_three_significant_digits() {
+        assert_eq!(format_tick(0.00125), "1.25e-3");
+        assert_eq!(format_tick(0.0015), "1.50e-3");
+        assert_eq!(format_tick(6.5), "6.5");
+        assert_eq!(format_tick(6.523), "6.52");
+        assert_eq!(format_tick(0.125), "0.125");
+        assert_eq!(format_tick(1500.0), "1500");
+        assert_eq!(format_tick(0.0), "0");
     }
 }
 
