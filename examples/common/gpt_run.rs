@@ -39,15 +39,8 @@ pub fn main_for(preset: &str) -> anyhow::Result<()> {
         while trainer.step() < ctx.config.train.steps {
             trainer.train_step()?;
         }
-        if ctx.config.parallel.zero == 3 {
-            // ZeRO-3 keeps only shards: gather them into the model's variables to generate
-            let vars = trainer.model().named_parameters();
-            for (name, values) in trainer.engine().full_params()? {
-                if let Some((_, v)) = vars.iter().find(|(n, _)| *n == name) {
-                    kiln_parallel::write_var(v, &values)?;
-                }
-            }
-        }
+        // ZeRO-3 keeps only shards: gather them into the model's variables to generate
+        trainer.materialize_weights()?;
         // every rank runs the generation (tensor-parallel ranks in lockstep, same seed)
         let tok = kiln_data::Tokenizer::from_file(&tokenizer_path)?;
         let prompt = tok.encode("ROMEO:\nBut soft, what light")?;

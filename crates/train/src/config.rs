@@ -771,7 +771,7 @@ impl RunConfig {
                 ..PrecisionSection::default()
             },
             train: TrainSection {
-                steps: 600,
+                steps: 200,
                 micro_batch: 8 / dp,
                 accumulation: 1,
                 seq_len: 128,
@@ -780,16 +780,16 @@ impl RunConfig {
             optim: OptimSection {
                 lr: 2e-3,
                 min_lr: 2e-4,
-                warmup_steps: 30,
+                warmup_steps: 20,
                 ..OptimSection::default()
             },
             checkpoint: CheckpointSection {
-                every_steps: 100,
+                every_steps: 50,
                 keep_last: 2,
                 ..CheckpointSection::default()
             },
             eval: EvalSection {
-                every: 100,
+                every: 50,
                 batches: 8,
                 at_end: true,
             },
