@@ -25,28 +25,30 @@
 //! ```
 //! use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState, StateDict, Step};
 //! use std::sync::Arc;
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //!
 //! let dir = std::env::temp_dir().join(format!("kiln-ckpt-doc-{}", std::process::id()));
-//! let comm = kiln_comm::ThreadComm::group(1, Default::default()).unwrap().remove(0);
-//! let storage = Arc::new(LocalFs::new(&dir).unwrap());
-//! let mut ckpt = Checkpointer::new(storage, CheckpointConfig::new(Layout::single(), "tiny")).unwrap();
+//! let comm = kiln_comm::ThreadComm::group(1, Default::default())?.remove(0);
+//! let storage = Arc::new(LocalFs::new(&dir)?);
+//! let mut ckpt = Checkpointer::new(storage, CheckpointConfig::new(Layout::single(), "tiny"))?;
 //!
 //! let mut model = StateDict::new();
-//! model.put("w", &[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+//! model.put("w", &[2, 2], &[1.0f32, 2.0, 3.0, 4.0])?;
 //! let mut state = RankState::new();
-//! state.insert("model", model).unwrap();
-//! state.capture("step", &Step(10)).unwrap();
-//! ckpt.save(&comm, 10, &state).unwrap();
+//! state.insert("model", model)?;
+//! state.capture("step", &Step(10))?;
+//! ckpt.save(&comm, 10, &state)?;
 //!
-//! let latest = ckpt.load_latest(&comm).unwrap();
-//! let loaded = latest.loaded.unwrap();
+//! let latest = ckpt.load_latest(&comm)?;
+//! let loaded = latest.loaded.ok_or("no checkpoint")?;
 //! assert_eq!(loaded.step, 10);
 //! let (mut restored, mut step) = (StateDict::new(), Step(0));
-//! restored.put("w", &[2, 2], &[0.0f32; 4]).unwrap();
-//! loaded.state.restore_all(&mut [("model", &mut restored), ("step", &mut step)], LoadOptions::default()).unwrap();
-//! assert_eq!(restored.get::<f32>("w").unwrap(), [1.0, 2.0, 3.0, 4.0]);
+//! restored.put("w", &[2, 2], &[0.0f32; 4])?;
+//! loaded.state.restore_all(&mut [("model", &mut restored), ("step", &mut step)], LoadOptions::default())?;
+//! assert_eq!(restored.get::<f32>("w")?, [1.0, 2.0, 3.0, 4.0]);
 //! assert_eq!(step, Step(10));
-//! # std::fs::remove_dir_all(&dir).unwrap();
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok(()) }
 //! ```
 #![deny(missing_docs)]
 
