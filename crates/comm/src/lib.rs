@@ -25,10 +25,10 @@
 //!     let mut shard = vec![0.0f32; comm.my_chunk(6).len()];
 //!     comm.reduce_scatter(&grads, &mut shard, ReduceOp::Sum)?;
 //!     Ok::<_, kiln_comm::CommError>((avg[0], shard))
-//! })
-//! .unwrap();
+//! })?;
 //! assert_eq!(out[0], (1.5, vec![6.0, 6.0]));
 //! assert_eq!(out[3], (1.5, vec![6.0]));
+//! # Ok::<(), kiln_comm::RankError<kiln_comm::CommError>>(())
 //! ```
 #![deny(missing_docs)]
 

@@ -741,9 +741,9 @@ fn panic_message(p: Box<dyn Any + Send>) -> String {
 ///     let mut v = [comm.rank() as f32, 1.0];
 ///     comm.all_reduce(&mut v, ReduceOp::Sum)?;
 ///     Ok::<_, kiln_comm::CommError>(v)
-/// })
-/// .unwrap();
+/// })?;
 /// assert_eq!(sums, vec![[3.0, 3.0]; 3]);
+/// # Ok::<(), kiln_comm::RankError<kiln_comm::CommError>>(())
 /// ```
 pub fn spawn<R, E, F>(world: usize, f: F) -> std::result::Result<Vec<R>, RankError<E>>
 where

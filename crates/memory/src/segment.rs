@@ -263,7 +263,7 @@ struct Saved {
 /// let mut grads = CollectGrads::default();
 /// let out = Executor::new(CheckpointPolicy::None).run(&Chain, &x, &x, &mut params, &mut grads, 1.0)?;
 /// assert_eq!(out.loss.to_scalar::<f32>()?, 2.0 * 5.0 + 3.0 * 7.0);
-/// assert_eq!(grads.get("w0").unwrap().to_vec1::<f32>()?, vec![5.0, 7.0]);
+/// assert_eq!(grads.get("w0").ok_or("no gradient")?.to_vec1::<f32>()?, vec![5.0, 7.0]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, Copy, Default)]
