@@ -295,22 +295,6 @@ fn format_tick(v: f64) -> String {
     }
 }
 
-#[cfg(test)]
-mod tick_tests {
-    use super::format_tick;
-
-    #[test]
-    fn ticks_keep_three_significant_digits() {
-        assert_eq!(format_tick(0.00125), "1.25e-3");
-        assert_eq!(format_tick(0.0015), "1.50e-3");
-        assert_eq!(format_tick(6.5), "6.5");
-        assert_eq!(format_tick(6.523), "6.52");
-        assert_eq!(format_tick(0.125), "0.125");
-        assert_eq!(format_tick(1500.0), "1500");
-        assert_eq!(format_tick(0.0), "0");
-    }
-}
-
 impl MetricSink for PlotSink {
     fn record(&mut self, m: &StepMetrics) -> Result<()> {
         if self.closed {
@@ -346,5 +330,21 @@ impl MetricSink for PlotSink {
         }
         let root = BitMapBackend::new(&self.path, self.size).into_drawing_area();
         self.draw(&root)
+    }
+}
+
+#[cfg(test)]
+mod tick_tests {
+    use super::format_tick;
+
+    #[test]
+    fn ticks_keep_three_significant_digits() {
+        assert_eq!(format_tick(0.00125), "1.25e-3");
+        assert_eq!(format_tick(0.0015), "1.50e-3");
+        assert_eq!(format_tick(6.5), "6.5");
+        assert_eq!(format_tick(6.523), "6.52");
+        assert_eq!(format_tick(0.125), "0.125");
+        assert_eq!(format_tick(1500.0), "1500");
+        assert_eq!(format_tick(0.0), "0");
     }
 }
