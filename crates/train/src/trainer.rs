@@ -747,9 +747,24 @@ impl<M: TrainModel> Trainer<M> {
     }
 
     /// Loads the checkpoint `resume_step` or the latest good one, when the configuration asks.
+    /// A run that does not resume refuses a checkpoint folder that already holds committed
+    /// checkpoints: a later `--resume` would otherwise pick up the earlier run's newest one.
     fn resume_if_asked(&mut self) -> Result<()> {
         let ck = &self.cfg.checkpoint;
         if !(ck.resume || ck.resume_step.is_some()) {
+            if let Some(c) = &self.ckpt {
+                if let Some(newest) = c.committed_steps()?.into_iter().max() {
+                    return Err(TrainError::config(
+                        "RunConfig.checkpoint.resume",
+                        format!(
+                            "{} already holds checkpoints of an earlier run (the newest of step \
+                             {newest}): pass --resume to continue it, or --out DIR to start a \
+                             new run in another folder",
+                            self.cfg.checkpoint_dir().display()
+                        ),
+                    ));
+                }
+            }
             return Ok(());
         }
         let req = self.request()?;
