@@ -284,13 +284,14 @@ impl Decision {
 /// ```
 /// use kiln_monitor::{Action, BatchInfo, BreakerPolicy, CircuitBreaker, Metric, Verdict};
 ///
-/// let mut breaker = CircuitBreaker::new(BreakerPolicy::default()).unwrap();
+/// let mut breaker = CircuitBreaker::new(BreakerPolicy::default())?;
 /// let spike = Verdict::Spike { metric: Metric::Loss, value: 9.0, median: 3.0, robust_sd: 0.1, threshold: 3.45 };
 /// let ids = [300, 301, 302, 303];
 /// let d = breaker.decide(30, &[spike], &BatchInfo { sample_ids: &ids, last_checkpoint_step: Some(25) });
 /// assert_eq!(d.action, Action::Rollback { to_step: 25, skip_samples: ids.to_vec() });
 /// assert!(breaker.state().skipped_sample_ids().contains(&302));
 /// assert_eq!(breaker.lr_factor(26), 0.5); // cool-down after the rollback
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct CircuitBreaker {

@@ -59,9 +59,10 @@ impl fmt::Display for EventKind {
 /// let mut e = Event::new(EventKind::Info, 12, "eval started");
 /// e.time = None;
 /// assert_eq!(
-///     serde_json::to_string(&e).unwrap(),
+///     serde_json::to_string(&e)?,
 ///     r#"{"event":"info","step":12,"message":"eval started"}"#
 /// );
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Event {

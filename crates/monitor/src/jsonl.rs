@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 /// ```
 /// use kiln_monitor::{JsonlSink, MetricSink, StepMetrics};
 /// let mut sink = JsonlSink::from_writer(Vec::new());
-/// sink.record(&StepMetrics { loss: Some(2.5), ..StepMetrics::default() }).unwrap();
+/// sink.record(&StepMetrics { loss: Some(2.5), ..StepMetrics::default() })?;
 /// assert_eq!(sink.into_inner(), b"{\"step\":0,\"loss\":2.5}\n");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug)]
 pub struct JsonlSink<W: Write + Send = BufWriter<File>> {

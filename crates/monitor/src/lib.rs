@@ -23,21 +23,22 @@
 //! use kiln_monitor::*;
 //!
 //! let mut detectors = DetectorSet::standard();
-//! let mut breaker = CircuitBreaker::new(BreakerPolicy::default()).unwrap();
+//! let mut breaker = CircuitBreaker::new(BreakerPolicy::default())?;
 //! let mut log = JsonlSink::from_writer(Vec::new());
 //! let mut actions = Vec::new();
 //! for step in 1..=60u64 {
 //!     let loss = if step == 60 { 9.0 } else { 3.0 + 0.01 * (step % 5) as f64 };
 //!     let m = StepMetrics { loss: Some(loss), ..StepMetrics::new(step) };
-//!     log.record(&m).unwrap();
+//!     log.record(&m)?;
 //!     let batch = BatchInfo { sample_ids: &[2 * step, 2 * step + 1], last_checkpoint_step: Some(50) };
 //!     let decision = breaker.decide(step, &detectors.observe(&m), &batch);
-//!     log.events(&decision.events).unwrap();
+//!     log.events(&decision.events)?;
 //!     actions.push(decision.action);
 //! }
 //! assert!(actions[..59].iter().all(|a| *a == Action::Continue));
 //! assert_eq!(actions[59], Action::Rollback { to_step: 50, skip_samples: vec![120, 121] });
-//! assert_eq!(String::from_utf8(log.into_inner()).unwrap().lines().count(), 60 + 2); // + alert, rollback
+//! assert_eq!(String::from_utf8(log.into_inner())?.lines().count(), 60 + 2); // + alert, rollback
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
 //! # Loss-spike rule and its false-positive rate

@@ -259,8 +259,9 @@ impl MemoryUsage {
     ///
     /// ```
     /// use kiln_monitor::MemoryUsage;
-    /// let m = MemoryUsage::parse_proc_status("VmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n").unwrap();
+    /// let m = MemoryUsage::parse_proc_status("VmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n").ok_or("no VmRSS or VmHWM")?;
     /// assert_eq!((m.rss_bytes, m.peak_bytes), (1024 * 1024, 2048 * 1024));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn parse_proc_status(text: &str) -> Option<Self> {
         let field = |key: &str| -> Option<u64> {
@@ -288,8 +289,9 @@ impl MemoryUsage {
 /// ```
 /// use kiln_monitor::Mfu;
 /// // 1M parameters: 6e6 FLOPs per token; 1000 tokens/s on a 1e10 FLOP/s machine
-/// let mfu = Mfu::new(6.0e6, 1.0e10).unwrap();
+/// let mfu = Mfu::new(6.0e6, 1.0e10)?;
 /// assert!((mfu.mfu(1000.0) - 0.6).abs() < 1e-12);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Mfu {

@@ -115,10 +115,11 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 /// use kiln_monitor::Watchdog;
 /// use std::time::Duration;
 ///
-/// let dog = Watchdog::start(Duration::from_secs(600), Vec::new()).unwrap();
+/// let dog = Watchdog::start(Duration::from_secs(600), Vec::new())?;
 /// dog.heartbeat(1);
 /// assert!(dog.check().is_ok());
 /// dog.stop();
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct Watchdog {
     shared: Arc<Shared>,

@@ -21,12 +21,13 @@
 //! let mut grads = vec![65536.0f32, -32768.0, 16384.0];
 //! let found_inf = scaler.unscale_and_check(&mut grads);
 //! assert_eq!((found_inf, grads.clone()), (false, vec![1.0, -0.5, 0.25]));
-//! assert_eq!(scaler.update(found_inf).unwrap(), ScaleEvent::Stepped);
+//! assert_eq!(scaler.update(found_inf)?, ScaleEvent::Stepped);
 //! // an overflow: the step is skipped and the scale halves
 //! grads[1] = f32::INFINITY;
-//! let event = scaler.update(scaler.unscale_and_check(&mut grads)).unwrap();
+//! let event = scaler.update(scaler.unscale_and_check(&mut grads))?;
 //! assert!(event.skipped_step());
 //! assert_eq!((event, scaler.scale()), (ScaleEvent::BackedOff, 32768.0));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 #![deny(missing_docs)]
 

@@ -33,10 +33,10 @@
 //!     let y = fc2.forward(&fc1.forward(x.as_tensor())?)?;
 //!     let dx = y.sum_all()?.backward()?.get(&x).map(|g| g.to_vec2::<f32>()).transpose()?;
 //!     Ok::<_, kiln_parallel::ParallelError>((y.to_vec2::<f32>()?, dx))
-//! })
-//! .unwrap();
+//! })?;
 //! assert_eq!(out[1].0, [[11.]]); // 3 + 2 * 4 on every rank
 //! assert_eq!(out[0].1, Some(vec![vec![1., 2.]])); // dy/dx = W2 W1, summed by f
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 mod linear;
