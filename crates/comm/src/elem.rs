@@ -396,6 +396,36 @@ pub(crate) unsafe fn reduce_into<T: Reduce>(
     }
 }
 
+/// [`reduce_into`] for an element type known at run time, on byte pointers.
+///
+/// # Safety
+/// As [`reduce_into`], with every pointer aligned for `dtype` and valid for `len` elements of it.
+pub(crate) unsafe fn reduce_bytes(
+    dtype: DType,
+    srcs: &[*const u8],
+    dsts: &[*mut u8],
+    len: usize,
+    op: ReduceOp,
+) {
+    unsafe fn typed<T: Reduce>(srcs: &[*const u8], dsts: &[*mut u8], len: usize, op: ReduceOp) {
+        let s: Vec<*const T> = srcs.iter().map(|p| p.cast::<T>()).collect();
+        let d: Vec<*mut T> = dsts.iter().map(|p| p.cast::<T>()).collect();
+        // SAFETY: forwarded from the caller of `reduce_bytes`.
+        unsafe { reduce_into(&s, &d, len, op) }
+    }
+    // SAFETY: forwarded from the caller; `T` is the type `dtype` names.
+    unsafe {
+        match dtype {
+            DType::F32 => typed::<f32>(srcs, dsts, len, op),
+            DType::F64 => typed::<f64>(srcs, dsts, len, op),
+            DType::F16 => typed::<f16>(srcs, dsts, len, op),
+            DType::BF16 => typed::<bf16>(srcs, dsts, len, op),
+            DType::I64 => typed::<i64>(srcs, dsts, len, op),
+            DType::U32 => typed::<u32>(srcs, dsts, len, op),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

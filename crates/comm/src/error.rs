@@ -8,7 +8,7 @@ use std::time::Duration;
 #[non_exhaustive]
 pub enum CommError {
     /// Some ranks did not reach the collective within the timeout.
-    #[error("{op} timed out on rank {rank} after {waited:?}: ranks {missing:?} never arrived")]
+    #[error("{op} timed out on rank {rank} after {waited:?}: {}", missing_text(.missing))]
     Timeout {
         /// The collective.
         op: OpKind,
@@ -16,7 +16,8 @@ pub enum CommError {
         rank: usize,
         /// How long it waited.
         waited: Duration,
-        /// The ranks (in this group) that had not arrived.
+        /// The ranks (in this group) that had not arrived; empty when the collective was under
+        /// way and the backend cannot tell which rank stalled it.
         missing: Vec<usize>,
     },
     /// A rank this collective waits for has exited (returned or panicked).
@@ -92,6 +93,14 @@ pub enum CommError {
         /// What went wrong.
         message: String,
     },
+}
+
+fn missing_text(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        "the other ranks did not complete it".to_string()
+    } else {
+        format!("ranks {missing:?} never arrived")
+    }
 }
 
 /// Result alias of kiln-comm.

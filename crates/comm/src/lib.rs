@@ -32,14 +32,21 @@
 //! ```
 #![deny(missing_docs)]
 
+mod check;
 mod communicator;
 mod elem;
 mod error;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod thread;
+#[cfg(any(feature = "mpi", test))]
+mod wire;
 
 pub use communicator::{chunk_range, CommExt, Communicator, Descriptor, OpKind};
 pub use elem::{Buf, BufMut, CommElem, DType, ReduceOp};
 pub use error::{CommError, Result};
+#[cfg(feature = "mpi")]
+pub use mpi::{Mpi, MpiComm, MpiCommConfig};
 pub use thread::{
     spawn, spawn_with, RankError, RankFailure, ThreadComm, ThreadCommConfig, DEFAULT_TIMEOUT,
 };

@@ -19,10 +19,10 @@
 //! buffers are never touched after it leaves. Once a round is open, the remaining work is bounded
 //! memory copying, and a drop guard marks a rank's part finished even if it unwinds.
 
+use crate::check::{as_seen_by, check_calls, split_members, Call};
 use crate::communicator::{chunk_range, Communicator, Descriptor, OpKind};
-use crate::elem::{reduce_into, Buf, BufMut, DType, Reduce, ReduceOp};
+use crate::elem::{reduce_bytes, Buf, BufMut, DType, ReduceOp};
 use crate::error::{CommError, Result};
-use half::{bf16, f16};
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -273,7 +273,7 @@ impl ThreadComm {
         st.arrived += 1;
         if st.arrived == n {
             let slots: Vec<Slot> = st.slots.iter().flatten().copied().collect();
-            st.verdict = check_round(&slots, n);
+            st.verdict = check_round(&slots);
             if st.verdict.is_none() && op == OpKind::Split {
                 st.split_out = plan_split(g, &slots);
             }
@@ -341,20 +341,7 @@ impl ThreadComm {
         self.seq.fetch_add(1, Ordering::SeqCst);
         match verdict {
             None => Ok(split),
-            Some(CommError::Mismatch {
-                first_rank,
-                first,
-                second_rank,
-                second,
-                ..
-            }) => Err(CommError::Mismatch {
-                rank: me,
-                first_rank,
-                first,
-                second_rank,
-                second,
-            }),
-            Some(e) => Err(e),
+            Some(e) => Err(as_seen_by(e, me)),
         }
     }
 }
@@ -385,86 +372,44 @@ impl Drop for FinishGuard<'_> {
 }
 
 /// Checks all descriptors of a round; the error every rank will return, if any.
-fn check_round(slots: &[Slot], n: usize) -> Option<CommError> {
-    let first = slots.first()?.desc;
-    if let Some((k, s)) = slots
+fn check_round(slots: &[Slot]) -> Option<CommError> {
+    let calls: Vec<Call> = slots
         .iter()
-        .enumerate()
-        .find(|(_, s)| !s.desc.matches(&first))
-    {
-        return Some(CommError::Mismatch {
-            rank: 0,
-            first_rank: 0,
-            first,
-            second_rank: k,
-            second: s.desc,
-        });
-    }
-    for (r, s) in slots.iter().enumerate() {
-        if let Some(LocalFault::Dtype { input, output }) = s.local_error {
-            return Some(CommError::DtypeMismatch {
-                op: first.op,
-                rank: r,
-                input,
-                output,
-            });
-        }
-        let chunk = chunk_range(first.len, n, r).len();
-        let bad = match first.op {
-            OpKind::ReduceScatter => Some(("output", chunk, s.output.len)),
-            OpKind::AllGather => Some(("input", chunk, s.input.len)),
-            _ => None,
-        };
-        if let Some((what, expected, got)) = bad.filter(|(_, e, g)| e != g) {
-            return Some(CommError::BadLength {
-                op: first.op,
-                rank: r,
-                what,
-                expected,
-                got,
-            });
-        }
-    }
-    if let Some(root) = first.root.filter(|&root| root >= n) {
-        return Some(CommError::BadRoot {
-            op: first.op,
-            root,
-            world: n,
-        });
-    }
-    None
+        .map(|s| Call {
+            desc: s.desc,
+            chunk_len: match s.desc.op {
+                OpKind::ReduceScatter => s.output.len,
+                OpKind::AllGather => s.input.len,
+                _ => 0,
+            },
+            dtype_fault: s
+                .local_error
+                .map(|LocalFault::Dtype { input, output }| (input, output)),
+            split: s.split,
+        })
+        .collect();
+    check_calls(&calls)
 }
 
 /// Builds the sub-groups of a split: same color together, ordered by (key, rank).
 fn plan_split(g: &Group, slots: &[Slot]) -> Vec<Option<(Arc<Group>, usize)>> {
-    let n = slots.len();
-    let mut out = vec![None; n];
-    let mut colors: Vec<u32> = slots.iter().map(|s| s.split.0).collect();
-    colors.sort_unstable();
-    colors.dedup();
-    for color in colors {
-        let mut members: Vec<usize> = (0..n).filter(|&r| slots[r].split.0 == color).collect();
-        members.sort_by_key(|&r| (slots[r].split.1, r));
-        let world_ranks = members.iter().map(|&r| g.world_ranks[r]).collect();
-        let sub = Group::new(world_ranks, g.liveness.clone());
-        for (new_rank, &r) in members.iter().enumerate() {
-            out[r] = Some((sub.clone(), new_rank));
-        }
-    }
-    out
-}
-
-macro_rules! dispatch {
-    ($dtype:expr, $f:ident, $($arg:expr),*) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            DType::I64 => $f::<i64>($($arg),*),
-            DType::U32 => $f::<u32>($($arg),*),
-        }
-    };
+    let splits: Vec<(u32, u32)> = slots.iter().map(|s| s.split).collect();
+    let mut made: Vec<(Vec<usize>, Arc<Group>)> = Vec::new();
+    split_members(&splits)
+        .into_iter()
+        .map(|(members, new_rank)| {
+            let group = match made.iter().find(|(m, _)| *m == members) {
+                Some((_, g)) => g.clone(),
+                None => {
+                    let world_ranks = members.iter().map(|&r| g.world_ranks[r]).collect();
+                    let sub = Group::new(world_ranks, g.liveness.clone());
+                    made.push((members, sub.clone()));
+                    sub
+                }
+            };
+            Some((group, new_rank))
+        })
+        .collect()
 }
 
 /// This rank's part of an open round.
@@ -479,12 +424,12 @@ unsafe fn work(slots: &[Slot], me: usize, n: usize) {
         OpKind::AllReduce => {
             let op = desc.reduce.unwrap_or(ReduceOp::Sum);
             // SAFETY: forwarded from the caller.
-            unsafe { dispatch!(dtype, all_reduce_part, slots, me, n, op) }
+            unsafe { all_reduce_part(dtype, slots, me, n, op) }
         }
         OpKind::ReduceScatter => {
             let op = desc.reduce.unwrap_or(ReduceOp::Sum);
             // SAFETY: forwarded from the caller.
-            unsafe { dispatch!(dtype, reduce_scatter_part, slots, me, n, op) }
+            unsafe { reduce_scatter_part(dtype, slots, me, n, op) }
         }
         OpKind::AllGather => {
             let esz = dtype.size_in_bytes();
@@ -521,31 +466,33 @@ unsafe fn work(slots: &[Slot], me: usize, n: usize) {
 }
 
 /// # Safety
-/// See [`work`]; every slot's `output` holds `len` elements of `T`.
-unsafe fn all_reduce_part<T: Reduce>(slots: &[Slot], me: usize, n: usize, op: ReduceOp) {
+/// See [`work`]; every slot's `output` holds `len` elements of `dtype`.
+unsafe fn all_reduce_part(dtype: DType, slots: &[Slot], me: usize, n: usize, op: ReduceOp) {
     let range = chunk_range(slots[me].desc.len, n, me);
-    let ptrs: Vec<*mut T> = slots
+    let off = range.start * dtype.size_in_bytes();
+    let ptrs: Vec<*mut u8> = slots
         .iter()
         // SAFETY: `range` lies within every rank's buffer of `len` elements.
-        .map(|s| unsafe { s.output.ptr.cast::<T>().add(range.start) })
+        .map(|s| unsafe { s.output.ptr.add(off) })
         .collect();
-    let srcs: Vec<*const T> = ptrs.iter().map(|p| p.cast_const()).collect();
+    let srcs: Vec<*const u8> = ptrs.iter().map(|p| p.cast_const()).collect();
     // SAFETY: chunk `me` of every buffer is touched by this rank only during the round.
-    unsafe { reduce_into(&srcs, &ptrs, range.len(), op) };
+    unsafe { reduce_bytes(dtype, &srcs, &ptrs, range.len(), op) };
 }
 
 /// # Safety
-/// See [`work`]; every slot's `input` holds `len` elements of `T`, ours `output` our chunk.
-unsafe fn reduce_scatter_part<T: Reduce>(slots: &[Slot], me: usize, n: usize, op: ReduceOp) {
+/// See [`work`]; every slot's `input` holds `len` elements of `dtype`, ours `output` our chunk.
+unsafe fn reduce_scatter_part(dtype: DType, slots: &[Slot], me: usize, n: usize, op: ReduceOp) {
     let range = chunk_range(slots[me].desc.len, n, me);
-    let srcs: Vec<*const T> = slots
+    let off = range.start * dtype.size_in_bytes();
+    let srcs: Vec<*const u8> = slots
         .iter()
         // SAFETY: `range` lies within every rank's input of `len` elements.
-        .map(|s| unsafe { s.input.ptr.cast::<T>().cast_const().add(range.start) })
+        .map(|s| unsafe { s.input.ptr.cast_const().add(off) })
         .collect();
-    let dst = [slots[me].output.ptr.cast::<T>()];
+    let dst = [slots[me].output.ptr];
     // SAFETY: inputs are only read during the round; our output is written only by us.
-    unsafe { reduce_into(&srcs, &dst, range.len(), op) };
+    unsafe { reduce_bytes(dtype, &srcs, &dst, range.len(), op) };
 }
 
 impl Communicator for ThreadComm {

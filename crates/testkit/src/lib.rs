@@ -153,6 +153,129 @@ pub fn max_rel_diff(actual: &[f32], expected: &[f32]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// What a process launched by [`run_with_deadline`] (or [`mpirun`]) did.
+#[derive(Debug)]
+pub struct ProcessRun {
+    /// Exit status (`None`: killed at the deadline).
+    pub status: Option<std::process::ExitStatus>,
+    /// Everything it printed to stdout.
+    pub stdout: String,
+    /// Everything it printed to stderr.
+    pub stderr: String,
+    /// Wall time until it ended.
+    pub elapsed: Duration,
+}
+
+impl ProcessRun {
+    /// True when it exited with status 0.
+    pub fn success(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+
+    /// Both streams, for failure messages.
+    pub fn output(&self) -> String {
+        format!(
+            "status {:?} after {:.1?}\n--- stdout\n{}\n--- stderr\n{}",
+            self.status, self.elapsed, self.stdout, self.stderr
+        )
+    }
+}
+
+/// Runs `cmd` to completion or until `deadline`, when it is terminated (SIGTERM, then SIGKILL
+/// after 5 s), collecting its output.
+pub fn run_with_deadline(mut cmd: std::process::Command, deadline: Duration) -> ProcessRun {
+    use std::io::Read;
+    use std::process::Stdio;
+    let start = std::time::Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    let pipe = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_string(&mut s);
+            }
+            s
+        })
+    };
+    let out = pipe(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let err = pipe(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let mut termed: Option<std::time::Instant> = None;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break termed.is_none().then_some(s),
+            Ok(None) => {}
+            Err(e) => panic!("waiting for {cmd:?}: {e}"),
+        }
+        match termed {
+            None if start.elapsed() >= deadline => {
+                let _ = std::process::Command::new("kill")
+                    .args(["-TERM", &child.id().to_string()])
+                    .status();
+                termed = Some(std::time::Instant::now());
+            }
+            Some(t) if t.elapsed() >= Duration::from_secs(5) => {
+                let _ = child.kill();
+            }
+            _ => {}
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    ProcessRun {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+        elapsed: start.elapsed(),
+    }
+}
+
+/// The `mpirun` to launch multi-process tests with, or `None` (with the reason printed) where
+/// this machine has none. Under `CI=true` a missing `mpirun` fails the test: CI installs Open
+/// MPI, so its absence there is a broken CI, never a silent pass.
+pub fn mpirun_path() -> Option<std::path::PathBuf> {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("mpirun"))
+            .find(|p| p.is_file())
+    });
+    if found.is_none() {
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            panic!("mpirun not found on PATH under CI=true: .ci/run must install openmpi-bin");
+        }
+        println!("skipped: mpirun not found on PATH (install Open MPI: apt-get install openmpi-bin libopenmpi-dev)");
+    }
+    found
+}
+
+/// An `mpirun` command line for `np` processes of `exe` on this machine, allowed to run as
+/// root and oversubscribed (more ranks than cores), with the launcher's own chatter quiet.
+pub fn mpirun(mpirun: &std::path::Path, np: usize, exe: &std::path::Path) -> std::process::Command {
+    let mut cmd = std::process::Command::new(mpirun);
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ])
+    .args(["--mca", "btl", "self,vader,tcp"])
+    .args(["-np", &np.to_string()])
+    .arg(exe);
+    cmd
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,965 @@
+//! `MpiComm`: one rank per process over MPI (Open MPI or MPICH through the `mpi` crate), with
+//! the same contract as [`crate::ThreadComm`]: bitwise the same results, timeouts on every
+//! wait, and mismatched calls reported as [`CommError::Mismatch`].
+//!
+//! # How a collective runs
+//! 1. **Agreement** (on by default, [`MpiCommConfig::check`]): every rank sends its call
+//!    (descriptor, chunk length, dtype fault, split color and key: 80 bytes) to every other rank
+//!    with `MPI_Isend`/`MPI_Irecv` and runs the same check as the thread backend. A mismatch is
+//!    an error on every rank, before any data moves, and the communicator stays usable. It is
+//!    also the barrier, and it tells who never arrived when a wait times out. Cost: `2(n-1)`
+//!    messages of 80 bytes per rank and collective (see `bench_comm --backend mpi`).
+//! 2. **Data**, through staging buffers the communicator owns (MPI never sees a caller's buffer,
+//!    so a collective abandoned at its timeout cannot write into freed memory later):
+//!    - all-reduce: `MPI_Ialltoallv` sends rank `j` its chunk (per [`chunk_range`]) of every
+//!      rank's buffer; each rank reduces its chunk in rank order 0, 1, ..., n-1 (f16 and bf16 in
+//!      f32) with the thread backend's kernel; `MPI_Iallgatherv` returns the reduced chunks to
+//!      everyone. Every byte crosses the network twice, `2(n-1)/n` of the buffer per rank, as in
+//!      a ring all-reduce; the staging adds two local copies of `(n-1)/n` of the buffer.
+//!    - reduce-scatter: the `MPI_Ialltoallv` and the reduction of all-reduce.
+//!    - all-gather: `MPI_Iallgatherv`; broadcast: `MPI_Ibcast`.
+//!    - Large buffers move in rounds of at most [`MpiCommConfig::stage_bytes`] per rank, which
+//!      bounds the staging memory and keeps MPI's `int` counts in range.
+//! 3. **Waiting**: requests are polled with `MPI_Testall` up to the timeout (spinning, then
+//!    yielding, then sleeping briefly, so oversubscribed ranks leave the cores to each other).
+//!    Peers on the same host are watched through `/proc`: a peer process that exited fails the
+//!    wait with [`CommError::RankGone`] within about 50 ms.
+//!
+//! A collective that failed while requests were in flight (timeout, exited peer, MPI error)
+//! leaves the communicator unusable: MPI cannot cancel a collective, so its staging memory is
+//! leaked rather than freed under MPI's feet, and every later call returns the original error.
+//! [`Mpi`]'s drop then skips `MPI_Finalize` (which could wait for the dead peer); the process
+//! exits and the launcher tears the job down.
+
+mod peers;
+mod raw;
+
+use crate::check::{as_seen_by, check_calls, split_members, Call};
+use crate::communicator::{chunk_range, Communicator, Descriptor, OpKind};
+use crate::elem::{reduce_bytes, Buf, BufMut, DType, ReduceOp};
+use crate::error::{CommError, Result};
+use crate::wire::WIRE_WORDS;
+use peers::{host_hash, Peers};
+use raw::{CommHandle, Request};
+use std::ffi::c_int;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
+use std::time::{Duration, Instant};
+
+/// The tag of the agreement messages (data moves in collectives, which never match them).
+const CALL_TAG: i32 = 0x6b6c;
+/// How often a waiting rank looks at its peers' processes.
+const LIVENESS_TICK: Duration = Duration::from_millis(50);
+
+/// Options of an [`MpiComm`] (inherited by the communicators split from it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MpiCommConfig {
+    /// How long a blocking call waits for the other ranks (default 300 s).
+    pub timeout: Duration,
+    /// Exchange and check every call before moving data (default on): mismatched calls become
+    /// [`CommError::Mismatch`] and timeouts name the ranks that never arrived. Off, a
+    /// mismatched call is undefined behaviour of MPI (usually a truncation error or a hang
+    /// until the timeout).
+    pub check: bool,
+    /// The most bytes a rank moves per round of a large collective (default 32 MiB); the
+    /// staging memory of a communicator is about three times this.
+    pub stage_bytes: usize,
+}
+
+impl Default for MpiCommConfig {
+    fn default() -> Self {
+        MpiCommConfig {
+            timeout: crate::DEFAULT_TIMEOUT,
+            check: true,
+            stage_bytes: 32 << 20,
+        }
+    }
+}
+
+impl MpiCommConfig {
+    /// The default configuration with another timeout.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        MpiCommConfig {
+            timeout,
+            ..Self::default()
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Runtime {
+    /// An [`Mpi`] handle exists.
+    live: bool,
+    /// `MPI_Finalize` ran (or was skipped for good): no MPI call may follow.
+    finalized: bool,
+    /// A communicator failed with operations in flight.
+    broken: bool,
+}
+
+static RUNTIME: Mutex<Runtime> = Mutex::new(Runtime {
+    live: false,
+    finalized: false,
+    broken: false,
+});
+
+fn runtime() -> MutexGuard<'static, Runtime> {
+    RUNTIME.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The MPI library of this process: initialised with `MPI_THREAD_MULTIPLE` by [`Mpi::init`],
+/// finalised when dropped. Keep it on the main thread for the life of the run (it is not
+/// `Send`, as MPI wants `MPI_Finalize` on the thread that initialised it) and create the world
+/// communicator with [`Mpi::world`].
+///
+/// ```no_run
+/// use kiln_comm::{CommExt, Communicator, Mpi, MpiCommConfig, ReduceOp};
+/// // run under `mpirun -np 4 ./app`
+/// let mpi = Mpi::init()?;
+/// let world = mpi.world(MpiCommConfig::default())?;
+/// let mut v = [world.rank() as f32];
+/// world.all_reduce(&mut v, ReduceOp::Sum)?;
+/// assert_eq!(v[0], 6.0);
+/// # Ok::<(), kiln_comm::CommError>(())
+/// ```
+#[derive(Debug)]
+pub struct Mpi {
+    /// kiln called `MPI_Init_thread` (and so calls `MPI_Finalize`).
+    owns: bool,
+    _main_thread: PhantomData<*const ()>,
+}
+
+impl Mpi {
+    /// Initialises MPI with `MPI_THREAD_MULTIPLE` (the data-parallel communication thread and
+    /// the async checkpoint writer call collectives from their own threads), or adopts an MPI
+    /// the application initialised, if it provides that level.
+    pub fn init() -> Result<Mpi> {
+        let mut rt = runtime();
+        if rt.live {
+            return Err(CommError::Config(
+                "MPI is already initialised by kiln in this process: use the existing Mpi".into(),
+            ));
+        }
+        let (initialized, finalized) = raw::state()?;
+        if finalized || rt.finalized {
+            return Err(CommError::Config(
+                "MPI was finalised in this process and cannot be initialised again".into(),
+            ));
+        }
+        let owns = !initialized;
+        let multiple = if owns {
+            raw::init_thread_multiple()?
+        } else {
+            raw::thread_multiple()?
+        };
+        if !multiple {
+            if owns {
+                raw::finalize()?;
+                rt.finalized = true;
+            }
+            return Err(raw::err(
+                "MPI_Init_thread",
+                "the MPI library does not provide MPI_THREAD_MULTIPLE, which kiln needs (the \
+                 communication thread and the checkpoint writer call MPI concurrently); use an \
+                 MPI built with thread support (Open MPI 4+ is)",
+            ));
+        }
+        rt.live = true;
+        Ok(Mpi {
+            owns,
+            _main_thread: PhantomData,
+        })
+    }
+
+    /// A communicator over every process of the job (a duplicate of `MPI_COMM_WORLD`, so kiln's
+    /// traffic never matches the application's). Collective: every process must call it.
+    pub fn world(&self, config: MpiCommConfig) -> Result<MpiComm> {
+        let start = Instant::now();
+        let world = CommHandle::world();
+        world.errors_return()?;
+        let (rank, size) = world.rank_and_size()?;
+        // the duplicate's handle is written when the request completes: keep it on the heap,
+        // leaked if the request never does
+        let out = Box::into_raw(Box::new(raw::null_comm()));
+        // SAFETY: `out` is a live heap allocation, freed below only after completion.
+        let mut reqs = [unsafe { world.idup(out)? }];
+        let waiter = Waiter::new(OpKind::Split, rank, config.timeout, start);
+        if let Err(e) = waiter.wait(&mut reqs, &[]) {
+            runtime().broken = true;
+            return Err(e);
+        }
+        // SAFETY: the request completed, so MPI wrote the handle; the box is ours again.
+        let dup = CommHandle::adopt(*unsafe { Box::from_raw(out) });
+        dup.errors_return()?;
+
+        // where every rank runs, for the liveness watch
+        let name = raw::processor_name()?;
+        let mine = vec![host_hash(&name), u64::from(std::process::id())];
+        let mut all = vec![0u64; 2 * size];
+        // SAFETY: both buffers are heap allocations leaked on failure (below) and read only
+        // after completion; `all` holds 16 bytes per rank.
+        let mut reqs =
+            [unsafe { dup.iallgather(mine.as_ptr().cast(), 16, all.as_mut_ptr().cast::<u8>())? }];
+        if let Err(e) = waiter.wait(&mut reqs, &[]) {
+            std::mem::forget(mine);
+            std::mem::forget(all);
+            runtime().broken = true;
+            return Err(e);
+        }
+        let ids: Vec<(u64, u32)> = all
+            .chunks_exact(2)
+            .map(|w| (w[0], u32::try_from(w[1]).unwrap_or(0)))
+            .collect();
+        Ok(MpiComm {
+            handle: dup,
+            rank,
+            size,
+            world_ranks: (0..size).collect(),
+            peers: Arc::new(Peers::new(rank, &ids)),
+            config,
+            seq: AtomicU64::new(0),
+            last: Mutex::new(None),
+            state: Mutex::new(State::default()),
+        })
+    }
+}
+
+impl Drop for Mpi {
+    fn drop(&mut self) {
+        let mut rt = runtime();
+        rt.live = false;
+        if rt.finalized {
+            return;
+        }
+        rt.finalized = true;
+        // After a failed collective a peer may be dead: MPI_Finalize could wait for it forever.
+        // Leave MPI as it is; the process exits and the launcher ends the job.
+        if self.owns && !rt.broken {
+            // nothing to report to: a failing finalize is the launcher's to see
+            let _ = raw::finalize();
+        }
+    }
+}
+
+/// Buffers MPI reads and writes during a collective; heap memory owned by the communicator.
+#[derive(Debug, Default)]
+struct Staging {
+    send: Vec<u64>,
+    recv: Vec<u64>,
+    gsend: Vec<u64>,
+    gather: Vec<u64>,
+    counts: Vec<c_int>,
+    calls_out: Vec<u64>,
+    calls_in: Vec<u64>,
+}
+
+/// The first `nbytes` bytes of `v`, grown as needed (8-byte aligned, so any element type fits).
+fn bytes(v: &mut Vec<u64>, nbytes: usize) -> &mut [u8] {
+    let words = nbytes.div_ceil(8);
+    if v.len() < words {
+        v.resize(words, 0);
+    }
+    &mut bytemuck::cast_slice_mut(v.as_mut_slice())[..nbytes]
+}
+
+#[derive(Debug, Default)]
+struct State {
+    stage: Staging,
+    /// The failure that left operations in flight; every later call returns it.
+    broken: Option<CommError>,
+}
+
+/// One rank's handle on a group of MPI processes. See the module docs for the protocol.
+///
+/// Create the world's with [`Mpi::world`] and groups with [`Communicator::split`]
+/// (`MPI_Comm_split`). Each communicator runs one collective at a time; use one per thread
+/// (split it) for concurrent work, as kiln's data-parallel engine and checkpoint writer do.
+#[derive(Debug)]
+pub struct MpiComm {
+    handle: CommHandle,
+    rank: usize,
+    size: usize,
+    /// Group rank to world rank.
+    world_ranks: Vec<usize>,
+    peers: Arc<Peers>,
+    config: MpiCommConfig,
+    seq: AtomicU64,
+    last: Mutex<Option<Descriptor>>,
+    state: Mutex<State>,
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        let broken = self.state.get_mut().map_or(true, |s| s.broken.is_some());
+        if !broken && !runtime().finalized {
+            // a failing free leaves a handle behind, which MPI_Finalize cleans up
+            let _ = self.handle.free();
+        }
+    }
+}
+
+/// Polls requests to a deadline.
+struct Waiter<'a> {
+    op: OpKind,
+    rank: usize,
+    timeout: Duration,
+    start: Instant,
+    /// The group's world ranks and the liveness watch, once the world is known.
+    watch: Option<(&'a [usize], &'a Peers)>,
+}
+
+impl<'a> Waiter<'a> {
+    fn new(op: OpKind, rank: usize, timeout: Duration, start: Instant) -> Self {
+        Waiter {
+            op,
+            rank,
+            timeout,
+            start,
+            watch: None,
+        }
+    }
+
+    /// Waits for every request; `from[k]` names the group rank request `k` receives from (for
+    /// the ranks a timeout reports missing). On error the requests are abandoned in flight.
+    fn wait(&self, reqs: &mut [Request], from: &[Option<usize>]) -> Result<()> {
+        let begun = Instant::now();
+        let mut last_look = begun;
+        let mut spins = 0u32;
+        loop {
+            if raw::test_all(reqs)? {
+                return Ok(());
+            }
+            let waited = self.start.elapsed();
+            if waited >= self.timeout {
+                let mut missing = Vec::new();
+                for (req, src) in reqs.iter_mut().zip(from) {
+                    if let Some(r) = src {
+                        if !raw::test(req)? {
+                            missing.push(*r);
+                        }
+                    }
+                }
+                return Err(CommError::Timeout {
+                    op: self.op,
+                    rank: self.rank,
+                    waited,
+                    missing,
+                });
+            }
+            if last_look.elapsed() >= LIVENESS_TICK {
+                last_look = Instant::now();
+                if let Some((world_ranks, peers)) = self.watch {
+                    if let Some(gone) = (0..world_ranks.len())
+                        .find(|&r| r != self.rank && !peers.alive(world_ranks[r]))
+                    {
+                        return Err(CommError::RankGone {
+                            op: self.op,
+                            rank: self.rank,
+                            gone,
+                            waited,
+                        });
+                    }
+                }
+            }
+            spins += 1;
+            if spins < 200 {
+                std::hint::spin_loop();
+            } else if begun.elapsed() < Duration::from_millis(10) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
+}
+
+/// Sub-range `i` of `k` of rank `j`'s chunk of a `len`-element buffer over `n` ranks.
+fn sub(len: usize, n: usize, j: usize, k: usize, i: usize) -> Range<usize> {
+    let c = chunk_range(len, n, j);
+    let s = chunk_range(c.len(), k, i);
+    c.start + s.start..c.start + s.end
+}
+
+/// How many rounds move a `len`-element buffer when a rank moves at most `stage_bytes` a round.
+fn rounds(len: usize, n: usize, esz: usize, stage_bytes: usize) -> usize {
+    let largest = chunk_range(len, n, 0).len();
+    let per_round = (stage_bytes / (n * esz).max(1)).max(1);
+    largest.div_ceil(per_round).max(1)
+}
+
+fn byte_range(r: &Range<usize>, esz: usize) -> Range<usize> {
+    r.start * esz..r.end * esz
+}
+
+fn count(bytes: usize) -> Result<c_int> {
+    c_int::try_from(bytes).map_err(|_| raw::err("counts", format_args!("{bytes} bytes")))
+}
+
+impl MpiComm {
+    fn descriptor(
+        &self,
+        op: OpKind,
+        dtype: Option<DType>,
+        len: usize,
+        reduce: Option<ReduceOp>,
+        root: Option<usize>,
+    ) -> Descriptor {
+        Descriptor {
+            seq: self.seq.load(Ordering::SeqCst),
+            op,
+            dtype,
+            len,
+            reduce,
+            root,
+        }
+    }
+
+    /// Runs one collective: agreement, then `data` (skipped when the check fails).
+    fn run<T>(
+        &self,
+        call: Call,
+        data: impl FnOnce(&Waiter<'_>, &mut Staging, &[Call]) -> Result<T>,
+    ) -> Result<T> {
+        let op = call.desc.op;
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(call.desc);
+        let mut state = match self.state.try_lock() {
+            Ok(s) => s,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                return Err(CommError::Config(format!(
+                    "rank {} entered {op} while another collective of this communicator was in \
+                     flight (one communicator is used from two threads at once)",
+                    self.rank
+                )))
+            }
+        };
+        if let Some(e) = &state.broken {
+            return Err(raw::err(
+                op.name(),
+                format_args!("communicator unusable after an earlier failure: {e}"),
+            ));
+        }
+        if runtime().finalized {
+            return Err(raw::err(op.name(), "MPI is finalised"));
+        }
+        let mut waiter = Waiter::new(op, self.rank, self.config.timeout, Instant::now());
+        waiter.watch = Some((&self.world_ranks, &self.peers));
+        let st = &mut *state;
+        let outcome = self.agree(&waiter, &mut st.stage, call).and_then(|calls| {
+            if let Some(verdict) = calls.as_deref().and_then(check_calls) {
+                return Ok(Err(as_seen_by(verdict, self.rank)));
+            }
+            let calls = calls.unwrap_or_default();
+            data(&waiter, &mut st.stage, &calls).map(Ok)
+        });
+        match outcome {
+            Ok(result) => {
+                self.seq.fetch_add(1, Ordering::SeqCst);
+                result
+            }
+            Err(e) => {
+                // requests may be in flight on the staging memory: leak it, never free it
+                std::mem::forget(std::mem::take(&mut st.stage));
+                st.broken = Some(e.clone());
+                runtime().broken = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// Exchanges every rank's call (when checking, and always for a split).
+    fn agree(
+        &self,
+        waiter: &Waiter<'_>,
+        stage: &mut Staging,
+        call: Call,
+    ) -> Result<Option<Vec<Call>>> {
+        if !self.config.check && call.desc.op != OpKind::Split {
+            return Ok(None);
+        }
+        let (n, me) = (self.size, self.rank);
+        let msg = WIRE_WORDS * 8;
+        bytes(&mut stage.calls_out, msg).copy_from_slice(bytemuck::cast_slice(&call.to_wire()));
+        let inbox = bytes(&mut stage.calls_in, n * msg).as_mut_ptr();
+        let outbox = stage.calls_out.as_ptr().cast::<u8>();
+        let mut reqs = Vec::with_capacity(2 * n);
+        let mut from = Vec::with_capacity(2 * n);
+        for r in (0..n).filter(|&r| r != me) {
+            // SAFETY: the staging buffers are heap memory that outlives the requests (leaked if
+            // they never complete); each receive has its own 80-byte slot.
+            reqs.push(unsafe { self.handle.irecv(inbox.add(r * msg), msg, r, CALL_TAG)? });
+            from.push(Some(r));
+        }
+        for r in (0..n).filter(|&r| r != me) {
+            // SAFETY: as above; the outbox is only read.
+            reqs.push(unsafe { self.handle.isend(outbox, msg, r, CALL_TAG)? });
+            from.push(None);
+        }
+        waiter.wait(&mut reqs, &from)?;
+        let words: &[u64] = &stage.calls_in[..n * WIRE_WORDS];
+        let mut calls = Vec::with_capacity(n);
+        for r in 0..n {
+            if r == me {
+                calls.push(call);
+                continue;
+            }
+            let mut w = [0u64; WIRE_WORDS];
+            w.copy_from_slice(&words[r * WIRE_WORDS..(r + 1) * WIRE_WORDS]);
+            calls.push(Call::from_wire(&w).ok_or_else(|| {
+                raw::err(
+                    call.desc.op.name(),
+                    format_args!("rank {r} sent a call that is not kiln's (another library's message on this communicator?)"),
+                )
+            })?);
+        }
+        Ok(Some(calls))
+    }
+
+    /// Rounds of all-reduce (`output = Some`) or reduce-scatter into `out` (this rank's chunk).
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_rounds(
+        &self,
+        w: &Waiter<'_>,
+        st: &mut Staging,
+        dtype: DType,
+        op: ReduceOp,
+        input: *const u8,
+        len: usize,
+        out: *mut u8,
+        gather_back: bool,
+    ) -> Result<()> {
+        let (n, me) = (self.size, self.rank);
+        let esz = dtype.size_in_bytes();
+        if n == 1 {
+            // SAFETY: one source and one destination of `len` elements (the same buffer for
+            // all-reduce, which the kernel allows); the thread backend runs the same kernel.
+            unsafe { reduce_bytes(dtype, &[input], &[out], len, op) };
+            return Ok(());
+        }
+        let k = rounds(len, n, esz, self.config.stage_bytes);
+        let my_chunk = chunk_range(len, n, me);
+        for i in 0..k {
+            let subs: Vec<Range<usize>> = (0..n).map(|j| sub(len, n, j, k, i)).collect();
+            let mine = subs[me].clone();
+            let m = mine.len();
+            // 1. every rank's sub-chunk of our buffer to its owner
+            let total: usize = (0..n)
+                .filter(|&j| j != me)
+                .map(|j| subs[j].len() * esz)
+                .sum();
+            let send = bytes(&mut st.send, total);
+            let mut counts = vec![0 as c_int; 4 * n];
+            let mut off = 0;
+            for j in (0..n).filter(|&j| j != me) {
+                let b = byte_range(&subs[j], esz);
+                let nb = b.len();
+                // SAFETY: `input` holds `len` elements (checked by the caller) and MPI never
+                // writes it; `b` lies within it.
+                let src = unsafe { std::slice::from_raw_parts(input.add(b.start), nb) };
+                send[off..off + nb].copy_from_slice(src);
+                counts[j] = count(nb)?;
+                counts[n + j] = count(off)?;
+                off += nb;
+            }
+            for j in (0..n).filter(|&j| j != me) {
+                counts[2 * n + j] = count(m * esz)?;
+                counts[3 * n + j] = count(j * m * esz)?;
+            }
+            st.counts.clear();
+            st.counts.extend_from_slice(&counts);
+            let recv = bytes(&mut st.recv, n * m * esz).as_mut_ptr();
+            let c = st.counts.as_ptr();
+            // SAFETY: staging buffers and counts are heap memory owned by the communicator
+            // that outlive the request (leaked if it never completes); counts fit the buffers.
+            let mut req = [unsafe {
+                self.handle.ialltoallv(
+                    st.send.as_ptr().cast(),
+                    c,
+                    c.add(n),
+                    recv,
+                    c.add(2 * n),
+                    c.add(3 * n),
+                )?
+            }];
+            w.wait(&mut req, &[])?;
+            // 2. reduce our sub-chunk in rank order
+            let gsend = bytes(&mut st.gsend, m * esz).as_mut_ptr();
+            let srcs: Vec<*const u8> = (0..n)
+                .map(|j| {
+                    if j == me {
+                        // SAFETY: `mine` lies within the input.
+                        unsafe { input.add(mine.start * esz) }
+                    } else {
+                        // SAFETY: slot `j` of the receive buffer holds `m` elements.
+                        unsafe { recv.add(j * m * esz).cast_const() }
+                    }
+                })
+                .collect();
+            // SAFETY: `out` holds this rank's chunk (reduce-scatter) or the whole buffer
+            // (all-reduce); either way the sub-chunk's place in it is in bounds.
+            let dst = unsafe {
+                if gather_back {
+                    out.add(mine.start * esz)
+                } else {
+                    out.add((mine.start - my_chunk.start) * esz)
+                }
+            };
+            let dsts = if gather_back {
+                vec![dst, gsend]
+            } else {
+                vec![dst]
+            };
+            // SAFETY: every source holds `m` elements of `dtype` and is 8-byte aligned
+            // (staging) or aligned for `dtype` (the caller's slice); the destinations are
+            // ours alone (an all-reduce source aliases its destination exactly, which the
+            // kernel allows).
+            unsafe { reduce_bytes(dtype, &srcs, &dsts, m, op) };
+            if !gather_back {
+                continue;
+            }
+            // 3. the reduced sub-chunks back to everyone
+            self.gather_round(w, st, &subs, esz, m, out)?;
+        }
+        Ok(())
+    }
+
+    /// `MPI_Iallgatherv` of `gsend` (this rank's `m` elements) into `out` at `subs`.
+    fn gather_round(
+        &self,
+        w: &Waiter<'_>,
+        st: &mut Staging,
+        subs: &[Range<usize>],
+        esz: usize,
+        m: usize,
+        out: *mut u8,
+    ) -> Result<()> {
+        let n = self.size;
+        let mut counts = vec![0 as c_int; 2 * n];
+        let mut off = 0;
+        for (j, r) in subs.iter().enumerate() {
+            counts[j] = count(r.len() * esz)?;
+            counts[n + j] = count(off)?;
+            off += r.len() * esz;
+        }
+        st.counts.clear();
+        st.counts.extend_from_slice(&counts);
+        let gather = bytes(&mut st.gather, off).as_mut_ptr();
+        let c = st.counts.as_ptr();
+        // SAFETY: as for the all-to-all: staging memory that outlives the request.
+        let mut req = [unsafe {
+            self.handle
+                .iallgatherv(st.gsend.as_ptr().cast(), m * esz, gather, c, c.add(n))?
+        }];
+        w.wait(&mut req, &[])?;
+        let mut off = 0;
+        for r in subs {
+            let b = byte_range(r, esz);
+            // SAFETY: `out` holds the whole buffer and `b` lies within it; the gather buffer
+            // holds every sub-chunk in rank order.
+            unsafe { std::ptr::copy_nonoverlapping(gather.add(off), out.add(b.start), b.len()) };
+            off += b.len();
+        }
+        Ok(())
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn timeout(&self) -> Duration {
+        self.config.timeout
+    }
+
+    fn backend(&self) -> &'static str {
+        "mpi"
+    }
+
+    fn last_collective(&self) -> Option<Descriptor> {
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn all_reduce_buf(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+        let dtype = buf.dtype();
+        let len = buf.len();
+        let desc = self.descriptor(OpKind::AllReduce, Some(dtype), len, Some(op), None);
+        let call = Call {
+            desc,
+            chunk_len: 0,
+            dtype_fault: None,
+            split: (0, 0),
+        };
+        let ptr = buf.as_bytes_mut().as_mut_ptr();
+        self.run(call, |w, st, _| {
+            if len == 0 {
+                return Ok(());
+            }
+            self.reduce_rounds(w, st, dtype, op, ptr, len, ptr, true)
+        })
+    }
+
+    fn reduce_scatter_buf(
+        &self,
+        input: Buf<'_>,
+        mut output: BufMut<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let dtype = input.dtype();
+        let len = input.len();
+        let desc = self.descriptor(OpKind::ReduceScatter, Some(dtype), len, Some(op), None);
+        let dtype_fault = (dtype != output.dtype()).then_some((dtype, output.dtype()));
+        let call = Call {
+            desc,
+            chunk_len: output.len(),
+            dtype_fault,
+            split: (0, 0),
+        };
+        let expected = chunk_range(len, self.size, self.rank).len();
+        let (inp, out) = (
+            input.as_bytes().as_ptr(),
+            output.as_bytes_mut().as_mut_ptr(),
+        );
+        let out_len = output.len();
+        if !self.config.check {
+            // unchecked, a wrong local buffer is still refused before MPI sees the call
+            local_chunk_ok(
+                OpKind::ReduceScatter,
+                self.rank,
+                "output",
+                expected,
+                out_len,
+                dtype_fault,
+            )?;
+        }
+        self.run(call, |w, st, _| {
+            if len == 0 {
+                return Ok(());
+            }
+            self.reduce_rounds(w, st, dtype, op, inp, len, out, false)
+        })
+    }
+
+    fn all_gather_buf(&self, input: Buf<'_>, mut output: BufMut<'_>) -> Result<()> {
+        let dtype = output.dtype();
+        let len = output.len();
+        let desc = self.descriptor(OpKind::AllGather, Some(dtype), len, None, None);
+        let dtype_fault = (input.dtype() != dtype).then_some((input.dtype(), dtype));
+        let in_len = input.len();
+        let call = Call {
+            desc,
+            chunk_len: in_len,
+            dtype_fault,
+            split: (0, 0),
+        };
+        let (n, me) = (self.size, self.rank);
+        let expected = chunk_range(len, n, me).len();
+        let inp = input.as_bytes();
+        let out = output.as_bytes_mut().as_mut_ptr();
+        if !self.config.check {
+            local_chunk_ok(
+                OpKind::AllGather,
+                me,
+                "input",
+                expected,
+                in_len,
+                dtype_fault,
+            )?;
+        }
+        self.run(call, |w, st, _| {
+            let esz = dtype.size_in_bytes();
+            let k = rounds(len, n, esz, self.config.stage_bytes);
+            let my_start = chunk_range(len, n, me).start;
+            for i in 0..k {
+                let subs: Vec<Range<usize>> = (0..n).map(|j| sub(len, n, j, k, i)).collect();
+                let mine = &subs[me];
+                let m = mine.len();
+                let from = byte_range(&(mine.start - my_start..mine.end - my_start), esz);
+                bytes(&mut st.gsend, m * esz).copy_from_slice(&inp[from]);
+                if n == 1 {
+                    // SAFETY: the output holds the whole buffer; `gsend` holds `m` elements.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            st.gsend.as_ptr().cast::<u8>(),
+                            out.add(mine.start * esz),
+                            m * esz,
+                        )
+                    };
+                    continue;
+                }
+                self.gather_round(w, st, &subs, esz, m, out)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn broadcast_buf(&self, mut buf: BufMut<'_>, root: usize) -> Result<()> {
+        let dtype = buf.dtype();
+        let len = buf.len();
+        let desc = self.descriptor(OpKind::Broadcast, Some(dtype), len, None, Some(root));
+        let call = Call {
+            desc,
+            chunk_len: 0,
+            dtype_fault: None,
+            split: (0, 0),
+        };
+        let n = self.size;
+        let me = self.rank;
+        let data = buf.as_bytes_mut();
+        if root >= n {
+            // checked, every rank reports it through the agreement; unchecked, before MPI
+            if !self.config.check {
+                return Err(CommError::BadRoot {
+                    op: OpKind::Broadcast,
+                    root,
+                    world: n,
+                });
+            }
+        }
+        self.run(call, |w, st, _| {
+            if n == 1 {
+                return Ok(());
+            }
+            let piece = self.config.stage_bytes.max(1);
+            let mut off = 0;
+            while off < data.len() {
+                let nb = piece.min(data.len() - off);
+                let stage = bytes(&mut st.send, nb);
+                if me == root {
+                    stage.copy_from_slice(&data[off..off + nb]);
+                }
+                let p = stage.as_mut_ptr();
+                // SAFETY: staging memory that outlives the request.
+                let mut req = [unsafe { self.handle.ibcast(p, nb, root)? }];
+                w.wait(&mut req, &[])?;
+                if me != root {
+                    data[off..off + nb].copy_from_slice(&bytes(&mut st.send, nb)[..]);
+                }
+                off += nb;
+            }
+            Ok(())
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let desc = self.descriptor(OpKind::Barrier, None, 0, None, None);
+        let call = Call {
+            desc,
+            chunk_len: 0,
+            dtype_fault: None,
+            split: (0, 0),
+        };
+        self.run(call, |w, _, calls| {
+            // the agreement exchange already waited for everyone
+            if !calls.is_empty() || self.size == 1 {
+                return Ok(());
+            }
+            let mut req = [self.handle.ibarrier()?];
+            w.wait(&mut req, &[])
+        })
+    }
+
+    fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
+        let desc = self.descriptor(OpKind::Split, None, 0, None, None);
+        let call = Call {
+            desc,
+            chunk_len: 0,
+            dtype_fault: None,
+            split: (color, key),
+        };
+        let sub = self.run(call, |_, _, calls| {
+            let splits: Vec<(u32, u32)> = calls.iter().map(|c| c.split).collect();
+            let (members, new_rank) = split_members(&splits)
+                .into_iter()
+                .nth(self.rank)
+                .ok_or_else(|| raw::err("split", "no group for this rank"))?;
+            // every rank has arrived (the exchange completed), so the blocking split returns
+            let handle = self.handle.split(color, key)?;
+            handle.errors_return()?;
+            let (rank, size) = handle.rank_and_size()?;
+            if (rank, size) != (new_rank, members.len()) {
+                return Err(raw::err(
+                    "MPI_Comm_split",
+                    format_args!(
+                        "MPI placed rank {} at {rank} of {size}, kiln's order says {new_rank} of {}",
+                        self.rank,
+                        members.len()
+                    ),
+                ));
+            }
+            Ok(MpiComm {
+                handle,
+                rank,
+                size,
+                world_ranks: members.iter().map(|&r| self.world_ranks[r]).collect(),
+                peers: self.peers.clone(),
+                config: self.config,
+                seq: AtomicU64::new(0),
+                last: Mutex::new(None),
+                state: Mutex::new(State::default()),
+            })
+        })?;
+        Ok(Box::new(sub))
+    }
+}
+
+/// Refuses a wrong local chunk buffer even when the agreement check is off.
+fn local_chunk_ok(
+    op: OpKind,
+    rank: usize,
+    what: &'static str,
+    expected: usize,
+    got: usize,
+    dtype_fault: Option<(DType, DType)>,
+) -> Result<()> {
+    if let Some((input, output)) = dtype_fault {
+        return Err(CommError::DtypeMismatch {
+            op,
+            rank,
+            input,
+            output,
+        });
+    }
+    if expected != got {
+        return Err(CommError::BadLength {
+            op,
+            rank,
+            what,
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_cover_every_chunk_in_order() {
+        for (len, n, esz, stage) in [
+            (10usize, 3usize, 4usize, 8usize),
+            (1 << 20, 4, 2, 1 << 16),
+            (7, 2, 8, 1 << 30),
+            (0, 2, 4, 64),
+        ] {
+            let k = rounds(len, n, esz, stage);
+            for j in 0..n {
+                let mut next = chunk_range(len, n, j).start;
+                for i in 0..k {
+                    let s = sub(len, n, j, k, i);
+                    assert_eq!(s.start, next);
+                    assert!(s.len() * esz * n <= stage.max(n * esz) || s.len() <= 1);
+                    next = s.end;
+                }
+                assert_eq!(next, chunk_range(len, n, j).end);
+            }
+        }
+    }
+}

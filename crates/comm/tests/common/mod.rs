@@ -1,0 +1,2 @@
+//! Helpers shared by kiln-comm's integration tests.
+pub mod suite;

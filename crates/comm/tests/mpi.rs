@@ -1,0 +1,263 @@
+//! The MPI backend under real `mpirun`: the collective suite of the thread backend (bitwise
+//! against the same sequential references) on 1, 2, 3 and 4 processes, and the fault paths (a
+//! rank that exits or is SIGKILLed mid-collective, a rank that stalls past the timeout,
+//! mismatched calls).
+//!
+//! Run with `cargo test -p kiln-comm --features mpi --release --test mpi`. Without
+//! `KILN_MPI_TEST` set this binary is the driver: it launches itself under `mpirun` once per
+//! scenario and checks what every rank printed. Where `mpirun` is missing it says so and
+//! passes, except under `CI=true`, where that is a failure.
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::suite::{self, RankFn, Ranks};
+use kiln_comm::{CommError, CommExt, Communicator, Mpi, MpiComm, MpiCommConfig, OpKind, ReduceOp};
+use kiln_testkit::{mpirun, mpirun_path, run_with_deadline, ProcessRun};
+use std::time::{Duration, Instant};
+
+fn main() {
+    match std::env::var("KILN_MPI_TEST") {
+        Ok(role) => worker(&role),
+        Err(_) => driver(),
+    }
+}
+
+// ---------------------------------------------------------------- driver (no mpirun around)
+
+fn launch(np: usize, role: &str, deadline: Duration) -> ProcessRun {
+    let mpirun_bin = mpirun_path().expect("checked by the driver");
+    let exe = std::env::current_exe().expect("own path");
+    let mut cmd = mpirun(&mpirun_bin, np, &exe);
+    cmd.env("KILN_MPI_TEST", role);
+    let t = Instant::now();
+    let run = run_with_deadline(cmd, deadline);
+    println!(
+        "  mpirun -np {np} {role}: {:?} in {:.1?}",
+        run.status,
+        t.elapsed()
+    );
+    run
+}
+
+/// Lines `rank R: <what>` printed by the ranks.
+fn said(run: &ProcessRun, what: &str) -> Vec<usize> {
+    let mut ranks: Vec<usize> = run
+        .stdout
+        .lines()
+        .filter_map(|l| {
+            let rest = l.trim().strip_prefix("rank ")?;
+            let (r, msg) = rest.split_once(": ")?;
+            msg.starts_with(what).then(|| r.parse().ok()).flatten()
+        })
+        .collect();
+    ranks.sort_unstable();
+    ranks
+}
+
+fn driver() {
+    println!("kiln-comm MPI tests");
+    if mpirun_path().is_none() {
+        return;
+    }
+    for np in 1..=4 {
+        let run = launch(np, "suite", Duration::from_secs(600));
+        assert!(
+            run.success(),
+            "suite on {np} processes failed: {}",
+            run.output()
+        );
+        assert_eq!(
+            said(&run, "suite ok"),
+            (0..np).collect::<Vec<_>>(),
+            "{}",
+            run.output()
+        );
+    }
+
+    let run = launch(3, "mismatch", Duration::from_secs(120));
+    assert!(run.success(), "mismatch scenario: {}", run.output());
+    assert_eq!(said(&run, "mismatch ok"), vec![0, 1, 2], "{}", run.output());
+
+    // A rank that exits, or is SIGKILLed, mid-collective: the others fail with RankGone
+    // naming it, long before their 60 s timeout, and mpirun ends the job with a failure status.
+    for role in ["exit", "kill"] {
+        let run = launch(3, role, Duration::from_secs(120));
+        assert_eq!(
+            said(&run, "rank_gone gone=2"),
+            vec![0, 1],
+            "{role}: {}",
+            run.output()
+        );
+        assert!(
+            !run.success(),
+            "{role}: the job must fail: {}",
+            run.output()
+        );
+        assert!(
+            run.elapsed < Duration::from_secs(30),
+            "{role}: {}",
+            run.output()
+        );
+    }
+
+    // A rank that stalls: the others time out at 2 s naming it as the one missing.
+    let run = launch(3, "stall", Duration::from_secs(120));
+    assert_eq!(
+        said(&run, "timeout missing=[2]"),
+        vec![0, 1],
+        "{}",
+        run.output()
+    );
+    assert!(!run.success(), "stall: the job must fail: {}", run.output());
+    println!("kiln-comm MPI tests: all passed");
+}
+
+// ---------------------------------------------------------------- worker (one MPI rank)
+
+struct MpiRanks<'a>(&'a MpiComm);
+
+impl Ranks for MpiRanks<'_> {
+    fn worlds(&self) -> Vec<usize> {
+        vec![self.0.world_size()]
+    }
+    fn run<R: Send>(&self, world: usize, f: RankFn<'_, R>) -> Vec<(usize, R)> {
+        assert_eq!(world, self.0.world_size());
+        let r = f(self.0).unwrap_or_else(|e| panic!("rank {}: {e}", self.0.rank()));
+        vec![(self.0.rank(), r)]
+    }
+}
+
+fn worker(role: &str) {
+    let mpi = Mpi::init().expect("MPI_Init_thread");
+    let timeout = if role == "stall" { 2.0 } else { 60.0 };
+    let world = mpi
+        .world(MpiCommConfig::with_timeout(Duration::from_secs_f64(
+            timeout,
+        )))
+        .expect("world communicator");
+    let me = world.rank();
+    match role {
+        "suite" => {
+            let ranks = MpiRanks(&world);
+            suite::check_every_dtype(&ranks);
+            suite::check_nan_max(&ranks);
+            suite::check_split(&ranks);
+            suite::check_many_small(&ranks);
+            println!("rank {me}: suite ok");
+        }
+        "mismatch" => mismatch(&world),
+        "exit" | "kill" => {
+            if me == 2 {
+                std::thread::sleep(Duration::from_millis(300));
+                if role == "kill" {
+                    let _ = std::process::Command::new("kill")
+                        .args(["-KILL", &std::process::id().to_string()])
+                        .status();
+                }
+                std::process::exit(3);
+            }
+            let t = Instant::now();
+            let mut v = vec![1.0f32; 1 << 20];
+            match world.all_reduce(&mut v, ReduceOp::Sum) {
+                Err(CommError::RankGone { gone, op, .. }) => {
+                    assert_eq!(op, OpKind::AllReduce);
+                    println!("rank {me}: rank_gone gone={gone} after {:?}", t.elapsed());
+                }
+                other => panic!("rank {me}: expected RankGone, got {other:?}"),
+            }
+            // the communicator is unusable now, and says why
+            let again = world
+                .barrier()
+                .expect_err("a broken communicator must refuse");
+            assert!(again.to_string().contains("earlier failure"), "{again}");
+            // stay a moment, so that the other survivor sees rank 2 gone and not this one
+            std::thread::sleep(Duration::from_millis(500));
+            drop(world);
+            drop(mpi);
+            std::process::exit(1);
+        }
+        "stall" => {
+            if me == 2 {
+                std::thread::sleep(Duration::from_secs(6));
+                std::process::exit(0);
+            }
+            let mut v = [1.0f64; 3];
+            match world.all_reduce(&mut v, ReduceOp::Max) {
+                Err(CommError::Timeout {
+                    missing, waited, ..
+                }) => {
+                    assert!(waited >= Duration::from_secs(2));
+                    println!("rank {me}: timeout missing={missing:?} after {waited:?}");
+                }
+                other => panic!("rank {me}: expected a timeout, got {other:?}"),
+            }
+            std::process::exit(1);
+        }
+        other => panic!("unknown role {other}"),
+    }
+    drop(world);
+    drop(mpi);
+}
+
+fn expect_mismatch(me: usize, res: Result<(), CommError>, second: usize, what: &str) {
+    match res {
+        Err(CommError::Mismatch {
+            rank,
+            first_rank,
+            second_rank,
+            ..
+        }) => {
+            assert_eq!(rank, me, "{what}");
+            assert_eq!(first_rank, 0, "{what}");
+            assert_eq!(second_rank, second, "{what}");
+        }
+        other => panic!("rank {me}: {what}: expected a mismatch, got {other:?}"),
+    }
+}
+
+fn mismatch(world: &MpiComm) {
+    let me = world.rank();
+    // a different length on rank 1
+    let mut v = vec![1.0f32; if me == 1 { 8 } else { 7 }];
+    let res = world.all_reduce(&mut v, ReduceOp::Sum);
+    if let Err(e) = &res {
+        if me == 0 {
+            println!("  {e}");
+        }
+    }
+    expect_mismatch(me, res, 1, "length");
+    // a different collective on rank 2
+    let res = if me == 2 {
+        let mut out = vec![0.0f32; 6];
+        world.all_gather(&[1.0f32, 2.0], &mut out)
+    } else {
+        world.all_reduce(&mut [1.0f32; 6], ReduceOp::Sum)
+    };
+    expect_mismatch(me, res, 2, "collective");
+    // a different dtype on rank 1
+    let res = if me == 1 {
+        world.all_reduce(&mut [1.0f64; 4], ReduceOp::Sum)
+    } else {
+        world.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum)
+    };
+    expect_mismatch(me, res, 1, "dtype");
+    // a wrong chunk length is named with the rank that passed it
+    let mut out = vec![0.0f32; if me == 2 { 5 } else { [3, 2][me] }];
+    match world.reduce_scatter(&[1.0f32; 7], &mut out, ReduceOp::Sum) {
+        Err(CommError::BadLength {
+            rank: 2,
+            expected: 2,
+            got: 5,
+            ..
+        }) => {}
+        other => panic!("rank {me}: expected BadLength on rank 2, got {other:?}"),
+    }
+    // and the communicator still works
+    let mut v = [me as f32; 5];
+    world
+        .all_reduce(&mut v, ReduceOp::Sum)
+        .expect("usable after mismatches");
+    assert_eq!(v, [3.0; 5]);
+    println!("rank {me}: mismatch ok");
+}
