@@ -85,6 +85,22 @@ pub enum CommError {
     /// An invalid world size or configuration.
     #[error("invalid communicator configuration: {0}")]
     Config(String),
+    /// A launcher variable is missing, malformed or contradicts another.
+    #[error("launch environment: {variable}: {message}")]
+    Launch {
+        /// The variable (or variables) at fault, as `NAME=value`.
+        variable: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The rendezvous store could not be reached, or did not answer in time.
+    #[error("rendezvous store at {addr}: {message}")]
+    Store {
+        /// `host:port` of the store.
+        addr: String,
+        /// What went wrong (the key it waited for, the socket error).
+        message: String,
+    },
     /// A backend-specific failure (MPI, NCCL, CUDA).
     #[error("{backend} backend: {message}")]
     Backend {

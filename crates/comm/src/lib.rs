@@ -36,6 +36,7 @@ mod check;
 mod communicator;
 mod elem;
 mod error;
+pub mod launch;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod thread;

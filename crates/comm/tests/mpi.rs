@@ -26,10 +26,18 @@ fn main() {
 // ---------------------------------------------------------------- driver (no mpirun around)
 
 fn launch(np: usize, role: &str, deadline: Duration) -> ProcessRun {
+    launch_env(np, role, deadline, &[])
+}
+
+fn launch_with(np: usize, role: &str, vars: &[(&str, &str)]) -> ProcessRun {
+    launch_env(np, role, Duration::from_secs(120), vars)
+}
+
+fn launch_env(np: usize, role: &str, deadline: Duration, vars: &[(&str, &str)]) -> ProcessRun {
     let mpirun_bin = mpirun_path().expect("checked by the driver");
     let exe = std::env::current_exe().expect("own path");
     let mut cmd = mpirun(&mpirun_bin, np, &exe);
-    cmd.env("KILN_MPI_TEST", role);
+    cmd.env("KILN_MPI_TEST", role).envs(vars.iter().copied());
     let t = Instant::now();
     let run = run_with_deadline(cmd, deadline);
     println!(
@@ -74,6 +82,17 @@ fn driver() {
             run.output()
         );
     }
+
+    let run = launch(2, "launch", Duration::from_secs(120));
+    assert!(run.success(), "launch: {}", run.output());
+    assert_eq!(said(&run, "launch ok"), vec![0, 1], "{}", run.output());
+    let run = launch_with(
+        2,
+        "launch-stale",
+        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")],
+    );
+    assert_eq!(said(&run, "accepted"), vec![0], "{}", run.output());
+    assert_eq!(said(&run, "refused launch environment: OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=2 against RANK=0, WORLD_SIZE=2"), vec![1], "{}", run.output());
 
     let run = launch(3, "mismatch", Duration::from_secs(120));
     assert!(run.success(), "mismatch scenario: {}", run.output());
@@ -129,6 +148,9 @@ impl Ranks for MpiRanks<'_> {
 }
 
 fn worker(role: &str) {
+    if role.starts_with("launch") {
+        return launch_worker(role);
+    }
     let mpi = Mpi::init().expect("MPI_Init_thread");
     let timeout = if role == "stall" { 2.0 } else { 60.0 };
     let world = mpi
@@ -198,6 +220,39 @@ fn worker(role: &str) {
     }
     drop(world);
     drop(mpi);
+}
+
+/// `init_from_env` under mpirun: the launcher's variables and MPI agree; a stale torchrun
+/// export that contradicts them is an error naming both.
+fn launch_worker(role: &str) {
+    use kiln_comm::launch::{init_from_env, Backend, LaunchEnv, Launcher};
+    if role == "launch-stale" {
+        match LaunchEnv::from_env() {
+            Err(e) => {
+                let rank = std::env::var("OMPI_COMM_WORLD_RANK").unwrap_or_default();
+                println!("rank {rank}: refused {e}");
+            }
+            Ok(env) => println!("rank {}: accepted", env.rank),
+        }
+        return;
+    }
+    let launched = init_from_env(Backend::Mpi).expect("init_from_env");
+    let env = &launched.env;
+    assert_eq!(env.launcher, Launcher::OpenMpi);
+    assert_eq!(launched.backend, Backend::Mpi);
+    assert_eq!(launched.comm.rank(), env.rank);
+    assert_eq!(launched.comm.world_size(), env.world_size);
+    assert_eq!(
+        env.local_rank, env.rank,
+        "one host: local ranks are the ranks"
+    );
+    let mut v = [1u32];
+    launched
+        .comm
+        .all_reduce(&mut v, ReduceOp::Sum)
+        .expect("all_reduce");
+    assert_eq!(v[0] as usize, env.world_size);
+    println!("rank {}: launch ok", env.rank);
 }
 
 fn expect_mismatch(me: usize, res: Result<(), CommError>, second: usize, what: &str) {

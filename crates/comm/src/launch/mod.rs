@@ -1,0 +1,174 @@
+//! Starting a rank from what the launcher says: torchrun-style variables, Open MPI's mpirun,
+//! PMI and Slurm's srun ([`LaunchEnv`]), the communicator of the backend the run asks for
+//! ([`init_from_env`]), and a TCP rendezvous store on `MASTER_ADDR:MASTER_PORT`
+//! ([`TcpStore`]).
+//!
+//! ```
+//! use kiln_comm::launch::{init_from_env, Backend, Launcher};
+//! use kiln_comm::Communicator;
+//! // no launcher variables here: one process, a world of one thread rank
+//! let launched = init_from_env(Backend::Thread)?;
+//! assert_eq!(launched.env.launcher, Launcher::None);
+//! assert_eq!(launched.comm.world_size(), 1);
+//! # Ok::<(), kiln_comm::CommError>(())
+//! ```
+
+mod env;
+mod nodelist;
+mod store;
+
+pub use env::{LaunchEnv, Launcher};
+pub use nodelist::expand_nodelist;
+pub use store::TcpStore;
+
+use crate::error::{CommError, Result};
+use crate::{Communicator, ThreadComm, ThreadCommConfig};
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The collective backend of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+#[non_exhaustive]
+pub enum Backend {
+    /// Every rank a thread of one process ([`ThreadComm`]): the embedded default.
+    #[default]
+    Thread,
+    /// One rank per process over MPI (`MpiComm`, feature `mpi`), launched by mpirun or srun.
+    Mpi,
+}
+
+impl Backend {
+    /// Lowercase name, as in configs and flags.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Thread => "thread",
+            Backend::Mpi => "mpi",
+        }
+    }
+
+    /// True when this build can create the backend's communicators.
+    pub fn is_built(self) -> bool {
+        match self {
+            Backend::Thread => true,
+            Backend::Mpi => cfg!(feature = "mpi"),
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Backend {
+    type Err = CommError;
+    fn from_str(s: &str) -> Result<Backend> {
+        match s {
+            "thread" => Ok(Backend::Thread),
+            "mpi" => Ok(Backend::Mpi),
+            other => Err(CommError::Config(format!(
+                "unknown backend '{other}': expected thread or mpi"
+            ))),
+        }
+    }
+}
+
+/// Keeps the backend's runtime alive (MPI is finalised when it drops): hold it, on the main
+/// thread, until the run's communicators are gone.
+#[derive(Debug, Default)]
+pub struct Runtime {
+    #[cfg(feature = "mpi")]
+    mpi: Option<crate::Mpi>,
+}
+
+impl Runtime {
+    /// The MPI runtime, when the backend is MPI.
+    #[cfg(feature = "mpi")]
+    pub fn mpi(&self) -> Option<&crate::Mpi> {
+        self.mpi.as_ref()
+    }
+}
+
+/// A started rank: who it is, its world communicator, and the runtime behind it.
+#[derive(Debug)]
+pub struct Launched {
+    /// What the launcher said.
+    pub env: LaunchEnv,
+    /// The backend of `comm`.
+    pub backend: Backend,
+    /// The world communicator (rank and size agree with `env`).
+    pub comm: Box<dyn Communicator>,
+    /// The backend's runtime; drop it last.
+    pub runtime: Runtime,
+}
+
+/// [`init_with`] with the default timeout (300 s).
+pub fn init_from_env(backend: Backend) -> Result<Launched> {
+    init_with(backend, crate::DEFAULT_TIMEOUT)
+}
+
+/// Reads [`LaunchEnv::from_env`] and creates the world communicator of `backend`:
+/// - `thread`: one process holding one rank; a launcher that asks for more processes is an
+///   error (the thread backend runs its ranks inside one process: see `kiln_comm::spawn`);
+/// - `mpi`: initialises MPI with `MPI_THREAD_MULTIPLE` and checks that MPI's rank and size
+///   agree with the launcher's variables.
+pub fn init_with(backend: Backend, timeout: Duration) -> Result<Launched> {
+    let env = LaunchEnv::from_env()?;
+    match backend {
+        Backend::Thread => {
+            if env.world_size > 1 {
+                return Err(CommError::Launch {
+                    variable: format!("world size {} ({} launch)", env.world_size, env.launcher),
+                    message: "the thread backend runs every rank inside one process: start one \
+                              process and give it the world size, or choose the mpi backend"
+                        .into(),
+                });
+            }
+            let comm = ThreadComm::group(1, ThreadCommConfig::with_timeout(timeout))?
+                .pop()
+                .ok_or_else(|| CommError::Config("no thread rank was created".into()))?;
+            Ok(Launched {
+                env,
+                backend,
+                comm: Box::new(comm),
+                runtime: Runtime::default(),
+            })
+        }
+        Backend::Mpi => init_mpi(env, timeout),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn init_mpi(env: LaunchEnv, timeout: Duration) -> Result<Launched> {
+    let mpi = crate::Mpi::init()?;
+    let comm = mpi.world(crate::MpiCommConfig::with_timeout(timeout))?;
+    let (rank, size) = (comm.rank(), comm.world_size());
+    if env.launcher != Launcher::None && (rank, size) != (env.rank, env.world_size) {
+        return Err(CommError::Launch {
+            variable: format!("{} rank {} of {}", env.launcher, env.rank, env.world_size),
+            message: format!(
+                "MPI says this process is rank {rank} of {size}: the launcher's variables \
+                 describe another job (srun without --mpi=pmix, or a stale export?)"
+            ),
+        });
+    }
+    Ok(Launched {
+        env,
+        backend: Backend::Mpi,
+        comm: Box::new(comm),
+        runtime: Runtime { mpi: Some(mpi) },
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn init_mpi(_env: LaunchEnv, _timeout: Duration) -> Result<Launched> {
+    Err(CommError::Config(
+        "the mpi backend is not built in: enable kiln-comm's `mpi` feature (cargo build \
+         --features mpi; it needs Open MPI: apt-get install openmpi-bin libopenmpi-dev \
+         libclang-dev)"
+            .into(),
+    ))
+}
