@@ -1,12 +1,16 @@
-//! Bandwidth of kiln-comm's thread backend, in NCCL's terms.
+//! Bandwidth of kiln-comm's backends, in NCCL's terms.
 //!
-//! Prints one JSON line per (op, bytes, world) with the algorithm bandwidth (`algbw_gbps`:
+//! Prints one JSON line per (backend, op, bytes, world) with the algorithm bandwidth (`algbw_gbps`:
 //! bytes / time) and bus bandwidth (`busbw_gbps`: algbw x 2(n-1)/n for all-reduce, (n-1)/n for
 //! reduce-scatter and all-gather, 1 for broadcast), next to this machine's memcpy bandwidth
 //! measured in the same run (`memcpy_gbps`: bytes copied / time, the same convention as algbw).
 //! Times are medians over repetitions.
 //!
-//! Run: `cargo run --release --example bench_comm` (add `-- --quick` for fewer sizes).
+//! Run: `cargo run --release --example bench_comm` (add `-- --quick` for fewer sizes) for the
+//! thread backend on 2, 4 and 8 ranks. The MPI backend, one rank per process:
+//! `cargo build --release --features mpi --example bench_comm`, then
+//! `mpirun -np 2 target/release/examples/bench_comm --backend mpi`; it also times each
+//! collective with the agreement check off (`"checked":false`), which is its cost.
 
 use kiln_comm::{spawn, CommError, CommExt, Communicator, ReduceOp};
 use std::time::Instant;
@@ -35,33 +39,96 @@ fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / median(times) / 1e9
 }
 
-/// Median seconds of one collective on `world` ranks, as rank 0 measures it between barriers.
-fn time_op(op: &'static str, world: usize, bytes: usize) -> Result<f64, CommError> {
+/// Median seconds of `reps` calls of one collective on this rank, each started after a
+/// barrier.
+fn time_on(comm: &dyn Communicator, op: &str, bytes: usize) -> Result<f64, CommError> {
     let n = bytes / 4;
     let reps = reps_for(bytes);
-    let times = spawn(world, |comm| {
-        let mut buf = vec![1.0f32; n];
-        let input = vec![1.0f32; n];
-        let mut shard = vec![0.0f32; comm.my_chunk(n).len()];
-        let mine = input[comm.my_chunk(n)].to_vec();
-        let mut times = Vec::with_capacity(reps);
-        for rep in 0..reps + 1 {
-            comm.barrier()?;
-            let t = Instant::now();
-            match op {
-                "all_reduce" => comm.all_reduce(&mut buf, ReduceOp::Sum)?,
-                "reduce_scatter" => comm.reduce_scatter(&input, &mut shard, ReduceOp::Sum)?,
-                "all_gather" => comm.all_gather(&mine, &mut buf)?,
-                _ => comm.broadcast(&mut buf, 0)?,
-            }
-            if rep > 0 {
-                times.push(t.elapsed().as_secs_f64());
+    let mut buf = vec![1.0f32; n];
+    let input = vec![1.0f32; n];
+    let mut shard = vec![0.0f32; comm.my_chunk(n).len()];
+    let mine = input[comm.my_chunk(n)].to_vec();
+    let mut times = Vec::with_capacity(reps);
+    for rep in 0..reps + 1 {
+        comm.barrier()?;
+        let t = Instant::now();
+        match op {
+            "all_reduce" => comm.all_reduce(&mut buf, ReduceOp::Sum)?,
+            "reduce_scatter" => comm.reduce_scatter(&input, &mut shard, ReduceOp::Sum)?,
+            "all_gather" => comm.all_gather(&mine, &mut buf)?,
+            _ => comm.broadcast(&mut buf, 0)?,
+        }
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(median(times))
+}
+
+/// The slowest rank's median on `world` thread ranks.
+fn time_op(op: &'static str, world: usize, bytes: usize) -> Result<f64, CommError> {
+    let times =
+        spawn(world, |comm| time_on(&comm, op, bytes)).map_err(|e| e.failure_into_comm())?;
+    Ok(times.into_iter().fold(0.0, f64::max))
+}
+
+const OPS: [&str; 4] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"];
+
+fn print_line(
+    backend: &str,
+    checked: bool,
+    op: &str,
+    bytes: usize,
+    world: usize,
+    t: f64,
+    memcpy: f64,
+) {
+    let algbw = bytes as f64 / t / 1e9;
+    let n = world as f64;
+    let factor = match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "broadcast" => 1.0,
+        _ => (n - 1.0) / n,
+    };
+    println!(
+        "{{\"backend\":\"{backend}\",\"checked\":{checked},\"op\":\"{op}\",\"dtype\":\"f32\",\"bytes\":{bytes},\"world\":{world},\"time_us\":{:.1},\"algbw_gbps\":{algbw:.3},\"busbw_gbps\":{:.3},\"memcpy_gbps\":{memcpy:.3},\"algbw_over_memcpy\":{:.3}}}",
+        t * 1e6,
+        algbw * factor,
+        algbw / memcpy
+    );
+}
+
+/// One rank per process under mpirun: every rank times, rank 0 prints the slowest median.
+#[cfg(feature = "mpi")]
+fn bench_mpi(sizes: &[usize]) -> anyhow::Result<()> {
+    use kiln_comm::{Mpi, MpiCommConfig};
+    let mpi = Mpi::init()?;
+    let checked = mpi.world(MpiCommConfig::default())?;
+    let unchecked = mpi.world(MpiCommConfig {
+        check: false,
+        ..MpiCommConfig::default()
+    })?;
+    let world = checked.world_size();
+    for &bytes in sizes {
+        let memcpy = memcpy_gbps(bytes);
+        for op in OPS {
+            for (comm, is_checked) in [(&checked, true), (&unchecked, false)] {
+                let t = time_on(comm, op, bytes)?;
+                let slowest = checked.all_reduce_scalar(t, ReduceOp::Max)?;
+                if checked.rank() == 0 {
+                    print_line("mpi", is_checked, op, bytes, world, slowest, memcpy);
+                }
             }
         }
-        Ok::<_, CommError>(median(times))
-    })
-    .map_err(|e| e.failure_into_comm())?;
-    Ok(times.into_iter().fold(0.0, f64::max))
+    }
+    drop((checked, unchecked));
+    drop(mpi);
+    Ok(())
+}
+
+#[cfg(not(feature = "mpi"))]
+fn bench_mpi(_sizes: &[usize]) -> anyhow::Result<()> {
+    anyhow::bail!("--backend mpi needs the mpi feature: cargo build --release --features mpi --example bench_comm")
 }
 
 trait IntoComm {
@@ -78,31 +145,30 @@ impl IntoComm for kiln_comm::RankError<CommError> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let backend = args
+        .windows(2)
+        .find(|w| w[0] == "--backend")
+        .map(|w| w[1].as_str())
+        .unwrap_or("thread");
     let sizes: Vec<usize> = if quick {
         vec![1 << 20, 64 << 20]
     } else {
         vec![4 << 10, 256 << 10, 4 << 20, 64 << 20]
     };
+    match backend {
+        "thread" => {}
+        "mpi" => return bench_mpi(&sizes),
+        other => anyhow::bail!("unknown --backend {other}: expected thread or mpi"),
+    }
     let worlds = [2usize, 4, 8];
     for &bytes in &sizes {
         let memcpy = memcpy_gbps(bytes);
         for &world in &worlds {
-            for op in ["all_reduce", "reduce_scatter", "all_gather", "broadcast"] {
+            for op in OPS {
                 let t = time_op(op, world, bytes)?;
-                let algbw = bytes as f64 / t / 1e9;
-                let n = world as f64;
-                let factor = match op {
-                    "all_reduce" => 2.0 * (n - 1.0) / n,
-                    "broadcast" => 1.0,
-                    _ => (n - 1.0) / n,
-                };
-                println!(
-                    "{{\"op\":\"{op}\",\"dtype\":\"f32\",\"bytes\":{bytes},\"world\":{world},\"time_us\":{:.1},\"algbw_gbps\":{algbw:.3},\"busbw_gbps\":{:.3},\"memcpy_gbps\":{memcpy:.3},\"algbw_over_memcpy\":{:.3}}}",
-                    t * 1e6,
-                    algbw * factor,
-                    algbw / memcpy
-                );
+                print_line("thread", true, op, bytes, world, t, memcpy);
             }
         }
     }

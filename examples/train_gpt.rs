@@ -7,6 +7,9 @@
 //! Run: `cargo run --release --example train_gpt` (flags: `--preset small_cpu`, `--dp 2`,
 //! `--tp 2`, `--zero 1`, `--precision f16|bf16|f32`, `--steps N`, `--resume`,
 //! `--config run.toml`, and any `RunConfig` field as `--section.field value`).
+//!
+//! As 4 processes over MPI (one rank each): `cargo build --release --features mpi --example
+//! train_gpt`, then `mpirun -np 4 target/release/examples/train_gpt --backend mpi`.
 
 #[path = "common/gpt_run.rs"]
 mod gpt_run;

@@ -1,40 +1,25 @@
-//! The shared body of the `train_gpt*` examples: parse the flags over a run preset, train on
-//! thread ranks with kiln-train's `Trainer`, print the summary, and generate a sample with the
-//! trained model.
+//! The shared body of the `train_gpt*` examples: parse the flags over a run preset, train with
+//! kiln-train's `Trainer` on thread ranks (`--backend thread`) or one rank per process
+//! (`--backend mpi` under `mpirun -np <dp*tp>`), print the summary, and generate a sample
+//! with the trained model. Only the process that holds rank 0 prints.
 
+use kiln_comm::launch::{Backend, LaunchEnv};
 use kiln_model::{generate, Sampling};
-use kiln_train::{run_threads_with, RunConfig, Trainer};
+use kiln_train::{run_with, RunConfig, TrainSummary, Trainer};
 use std::time::Instant;
 
 /// Trains the `preset` run with the command line's overrides (`--steps 100 --dp 2 ...`).
 pub fn main_for(preset: &str) -> anyhow::Result<()> {
     let cfg = RunConfig::from_args(preset, std::env::args().skip(1))?;
     cfg.validate()?;
-    let gpt = cfg.gpt_config()?;
-    println!(
-        "kiln {preset}: GPT-3 architecture scaled down ({} layers, d_model {}, {} heads, ctx {}, vocab {}: {:.2}M parameters)",
-        gpt.n_layers,
-        gpt.d_model,
-        gpt.n_heads,
-        cfg.train.seq_len,
-        gpt.vocab_size,
-        gpt.param_count() as f64 / 1e6
-    );
-    println!(
-        "  {} thread ranks as dp={} x tp={}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}",
-        cfg.parallel.world(),
-        cfg.parallel.dp,
-        cfg.parallel.tp,
-        cfg.parallel.zero,
-        cfg.precision.compute,
-        if cfg.precision.compute == kiln_precision::ComputeDType::F32 { "" } else { " with dynamic loss scaling" },
-        cfg.train.steps,
-        cfg.train.micro_batch * cfg.train.accumulation * cfg.parallel.dp,
-        cfg.train.activation_checkpointing
-    );
+    // one process prints: the only one (threads), or the launcher's rank 0
+    let main_process = cfg.parallel.backend == Backend::Thread || LaunchEnv::from_env()?.rank == 0;
+    if main_process {
+        print_header(preset, &cfg)?;
+    }
     let t0 = Instant::now();
     let tokenizer_path = cfg.data_cache_dir()?.join("tokenizer.json");
-    let results = run_threads_with(&cfg, |ctx| {
+    let results = run_with(&cfg, |ctx| {
         let mut trainer = Trainer::builder(ctx.config.clone()).build(ctx.comm)?;
         while trainer.step() < ctx.config.train.steps {
             trainer.train_step()?;
@@ -57,11 +42,40 @@ pub fn main_for(preset: &str) -> anyhow::Result<()> {
         let text = tok.decode(&out)?;
         Ok((trainer.finish()?, text))
     })?;
-    let (summary, sample) = results
-        .into_iter()
-        .next()
-        .ok_or_else(|| anyhow::anyhow!("no rank ran"))?;
-    let wall = t0.elapsed().as_secs_f64();
+    if let Some((_, (summary, sample))) = results.into_iter().find(|(rank, _)| *rank == 0) {
+        report(&summary, &sample, t0.elapsed().as_secs_f64());
+    }
+    Ok(())
+}
+
+fn print_header(preset: &str, cfg: &RunConfig) -> anyhow::Result<()> {
+    let gpt = cfg.gpt_config()?;
+    println!(
+        "kiln {preset}: GPT-3 architecture scaled down ({} layers, d_model {}, {} heads, ctx {}, vocab {}: {:.2}M parameters)",
+        gpt.n_layers,
+        gpt.d_model,
+        gpt.n_heads,
+        cfg.train.seq_len,
+        gpt.vocab_size,
+        gpt.param_count() as f64 / 1e6
+    );
+    println!(
+        "  {} {} as dp={} x tp={}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}",
+        cfg.parallel.world(),
+        if cfg.parallel.backend == Backend::Thread { "thread ranks" } else { "MPI processes" },
+        cfg.parallel.dp,
+        cfg.parallel.tp,
+        cfg.parallel.zero,
+        cfg.precision.compute,
+        if cfg.precision.compute == kiln_precision::ComputeDType::F32 { "" } else { " with dynamic loss scaling" },
+        cfg.train.steps,
+        cfg.train.micro_batch * cfg.train.accumulation * cfg.parallel.dp,
+        cfg.train.activation_checkpointing
+    );
+    Ok(())
+}
+
+fn report(summary: &TrainSummary, sample: &str, wall: f64) {
     println!();
     println!(
         "done: {} steps in {wall:.1} s ({:.0} tokens/s over the run)",
@@ -93,5 +107,4 @@ pub fn main_for(preset: &str) -> anyhow::Result<()> {
     }
     println!();
     println!("sample (top-k 40, temperature 0.8):\n{sample}");
-    Ok(())
 }

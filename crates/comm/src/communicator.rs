@@ -154,6 +154,55 @@ pub trait Communicator: Send + Sync {
     fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>>;
 }
 
+macro_rules! forward_communicator {
+    ($ptr:ident) => {
+        /// A shared or boxed communicator is a communicator (`Box<dyn Communicator>` included).
+        impl<C: Communicator + ?Sized> Communicator for $ptr<C> {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
+            fn world_size(&self) -> usize {
+                (**self).world_size()
+            }
+            fn timeout(&self) -> Duration {
+                (**self).timeout()
+            }
+            fn backend(&self) -> &'static str {
+                (**self).backend()
+            }
+            fn last_collective(&self) -> Option<Descriptor> {
+                (**self).last_collective()
+            }
+            fn all_reduce_buf(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<()> {
+                (**self).all_reduce_buf(buf, op)
+            }
+            fn reduce_scatter_buf(
+                &self,
+                input: Buf<'_>,
+                output: BufMut<'_>,
+                op: ReduceOp,
+            ) -> Result<()> {
+                (**self).reduce_scatter_buf(input, output, op)
+            }
+            fn all_gather_buf(&self, input: Buf<'_>, output: BufMut<'_>) -> Result<()> {
+                (**self).all_gather_buf(input, output)
+            }
+            fn broadcast_buf(&self, buf: BufMut<'_>, root: usize) -> Result<()> {
+                (**self).broadcast_buf(buf, root)
+            }
+            fn barrier(&self) -> Result<()> {
+                (**self).barrier()
+            }
+            fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
+                (**self).split(color, key)
+            }
+        }
+    };
+}
+use std::sync::Arc;
+forward_communicator!(Box);
+forward_communicator!(Arc);
+
 impl fmt::Debug for dyn Communicator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Communicator")

@@ -25,7 +25,7 @@ use crate::elem::{reduce_bytes, Buf, BufMut, DType, ReduceOp};
 use crate::error::{CommError, Result};
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -60,7 +60,11 @@ impl ThreadCommConfig {
 /// Liveness of the world's ranks, shared by every group split from the same world.
 #[derive(Debug)]
 struct Liveness {
-    departed: Vec<AtomicBool>,
+    /// Per world rank: 0 while it lives, else its place in the order of departures (1 for the
+    /// first rank to leave), so that a waiting rank names the root cause, not a rank that left
+    /// because of it.
+    departed: Vec<AtomicU64>,
+    departures: AtomicU64,
 }
 
 /// Held by every handle of one world rank; the rank counts as exited when the last one drops
@@ -74,7 +78,8 @@ struct RankToken {
 impl Drop for RankToken {
     fn drop(&mut self) {
         if let Some(flag) = self.liveness.departed.get(self.world_rank) {
-            flag.store(true, Ordering::SeqCst);
+            let order = self.liveness.departures.fetch_add(1, Ordering::SeqCst) + 1;
+            flag.store(order, Ordering::SeqCst);
         }
     }
 }
@@ -183,11 +188,13 @@ impl Group {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn departed(&self, group_rank: usize) -> bool {
+    /// When group rank `group_rank` left, in the order of departures (`None`: alive).
+    fn departed(&self, group_rank: usize) -> Option<u64> {
         self.world_ranks
             .get(group_rank)
             .and_then(|w| self.liveness.departed.get(*w))
-            .is_some_and(|f| f.load(Ordering::SeqCst))
+            .map(|f| f.load(Ordering::SeqCst))
+            .filter(|&o| o > 0)
     }
 }
 
@@ -216,7 +223,8 @@ impl ThreadComm {
             ));
         }
         let liveness = Arc::new(Liveness {
-            departed: (0..world).map(|_| AtomicBool::new(false)).collect(),
+            departed: (0..world).map(|_| AtomicU64::new(0)).collect(),
+            departures: AtomicU64::new(0),
         });
         let group = Group::new((0..world).collect(), liveness.clone());
         Ok((0..world)
@@ -299,7 +307,11 @@ impl ThreadComm {
                         missing,
                     });
                 }
-                if let Some(gone) = (0..n).find(|&r| st.slots[r].is_none() && g.departed(r)) {
+                let first_gone = (0..n)
+                    .filter(|&r| st.slots[r].is_none())
+                    .filter_map(|r| g.departed(r).map(|order| (order, r)))
+                    .min();
+                if let Some((_, gone)) = first_gone {
                     st.slots[me] = None;
                     st.arrived -= 1;
                     return Err(CommError::RankGone {

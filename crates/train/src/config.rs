@@ -2,6 +2,7 @@
 //! with errors that name the field, and overridable from command-line flags.
 
 use crate::error::{Result, TrainError};
+use kiln_comm::launch::Backend;
 use kiln_memory::{CheckpointPolicy, ModelShape};
 use kiln_model::GptConfig;
 use kiln_monitor::{BreakerPolicy, Response};
@@ -84,6 +85,10 @@ pub struct ParallelSection {
     pub bucket_mb: f64,
     /// Overlap the gradient communication with the backward.
     pub overlap: bool,
+    /// The collective backend: `thread` (every rank a thread of this process, the default)
+    /// or `mpi` (one rank per process, started by `mpirun -np <dp*tp>` or srun; needs the
+    /// `mpi` feature).
+    pub backend: Backend,
 }
 
 impl Default for ParallelSection {
@@ -94,6 +99,7 @@ impl Default for ParallelSection {
             zero: 0,
             bucket_mb: 25.0,
             overlap: true,
+            backend: Backend::Thread,
         }
     }
 }
@@ -647,6 +653,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("dp", "parallel.dp"),
     ("tp", "parallel.tp"),
     ("zero", "parallel.zero"),
+    ("backend", "parallel.backend"),
     ("precision", "precision.compute"),
     ("preset", "model.preset"),
     ("lr", "optim.lr"),
@@ -1028,6 +1035,16 @@ impl RunConfig {
             )
         })?;
         p.stage()?;
+        if !p.backend.is_built() {
+            return bad(
+                "parallel.backend",
+                format!(
+                    "{} is not built in: build with --features mpi (Open MPI needed: apt-get \
+                     install openmpi-bin libopenmpi-dev libclang-dev)",
+                    p.backend
+                ),
+            );
+        }
         if !(p.bucket_mb.is_finite() && p.bucket_mb > 0.0) {
             return bad(
                 "parallel.bucket_mb",

@@ -1,15 +1,18 @@
-//! Running a trainer on `dp * tp` thread ranks of one process.
+//! Running a trainer on `dp * tp` ranks: thread ranks of this process, or one rank per process
+//! under an MPI launcher.
 
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 use crate::trainer::{TrainSummary, Trainer};
-use kiln_comm::{spawn_with, CommError, RankFailure, ThreadComm, ThreadCommConfig};
+use kiln_comm::launch::{init_from_env, Backend};
+use kiln_comm::{spawn_with, CommError, Communicator, RankFailure, ThreadComm, ThreadCommConfig};
 
-/// What the per-rank closure of [`run_threads_with`] gets.
+/// What the per-rank closure of [`run_threads_with`] (a [`ThreadComm`]) and [`run_with`] (a
+/// `Box<dyn Communicator>` of the configured backend) gets.
 #[derive(Debug)]
-pub struct RankContext<'a> {
+pub struct RankContext<'a, C = ThreadComm> {
     /// This rank's world communicator.
-    pub comm: ThreadComm,
+    pub comm: C,
     /// The global rank.
     pub rank: usize,
     /// The run configuration.
@@ -59,6 +62,65 @@ where
             message: format!("panicked: {m}"),
         },
     })
+}
+
+/// Runs `f` on the ranks of `config` that live in this process, with the configured backend
+/// (`config.parallel.backend`), and returns their results as `(rank, result)` in rank order:
+/// - `thread`: all `dp * tp` ranks, one thread each ([`run_threads_with`]);
+/// - `mpi`: this process's one rank, after [`init_from_env`] (run under
+///   `mpirun -np <dp*tp>`); MPI is finalised when `f` has returned.
+///
+/// Printing and other once-per-job work belongs to whichever process gets rank 0's result.
+pub fn run_with<R, F>(config: &RunConfig, f: F) -> Result<Vec<(usize, R)>>
+where
+    F: Fn(RankContext<'_, Box<dyn Communicator>>) -> Result<R> + Sync,
+    R: Send,
+{
+    match config.parallel.backend {
+        Backend::Thread => {
+            let out = run_threads_with(config, |ctx| {
+                f(RankContext {
+                    comm: Box::new(ctx.comm),
+                    rank: ctx.rank,
+                    config: ctx.config,
+                })
+            })?;
+            Ok(out.into_iter().enumerate().collect())
+        }
+        backend => {
+            let launched = init_from_env(backend)?;
+            let world = launched.comm.world_size();
+            if world != config.parallel.world() {
+                return Err(TrainError::config(
+                    "RunConfig.parallel",
+                    format!(
+                        "dp ({}) x tp ({}) = {} ranks, but the launcher started {world} \
+                         processes (mpirun -np {})",
+                        config.parallel.dp,
+                        config.parallel.tp,
+                        config.parallel.world(),
+                        config.parallel.world()
+                    ),
+                ));
+            }
+            let rank = launched.comm.rank();
+            let out = f(RankContext {
+                comm: launched.comm,
+                rank,
+                config,
+            });
+            match out {
+                // the runtime (MPI) is finalised on return, after this rank's communicators
+                Ok(r) => Ok(vec![(rank, r)]),
+                Err(e) => {
+                    // the other ranks may wait for this one in a collective: do not wait for
+                    // them in MPI_Finalize; exiting with the error ends the job
+                    launched.runtime.abandon();
+                    Err(e)
+                }
+            }
+        }
+    }
 }
 
 /// Trains `config` with the default [`Trainer`] on `dp * tp` thread ranks and returns rank 0's

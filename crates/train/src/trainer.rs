@@ -31,6 +31,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The exit status of a process whose hang watchdog fired in a multi-process run (the MPI
+/// backend): the process prints the hang report and exits so that the launcher ends the job.
+pub const HANG_EXIT_CODE: i32 = 75;
+
 /// A model factory: builds this rank's model from the run configuration and its
 /// tensor-parallel group.
 pub type ModelFn<M> = Box<dyn FnOnce(&ModelContext<'_>) -> Result<M>>;
@@ -344,10 +348,19 @@ impl<M: TrainModel> TrainerBuilder<M> {
             (None, None)
         };
         let watchdog = if cfg.monitor.watchdog_s > 0.0 {
-            Some(Watchdog::start(
-                Duration::from_secs_f64(cfg.monitor.watchdog_s),
-                vec![world.clone()],
-            )?)
+            let timeout = Duration::from_secs_f64(cfg.monitor.watchdog_s);
+            let comms = vec![world.clone()];
+            Some(if world.backend() == "thread" {
+                Watchdog::start(timeout, comms)?
+            } else {
+                // One rank per process: a rank stuck inside a collective cannot return an
+                // error, so the watchdog ends the process with the dump and a non-zero status,
+                // and the launcher (mpirun, srun) tears the job down.
+                Watchdog::start_with(timeout, comms, move |report| {
+                    eprintln!("kiln-train watchdog, rank {rank}: {report}; exiting with status {HANG_EXIT_CODE}");
+                    std::process::exit(HANG_EXIT_CODE)
+                })?
+            })
         } else {
             None
         };

@@ -85,6 +85,16 @@ pub struct Runtime {
 }
 
 impl Runtime {
+    /// Ends the runtime of a failing rank without waiting for the others (MPI: no
+    /// `MPI_Finalize`, see [`crate::Mpi::abandon`]); the process should exit with an error
+    /// next, so that the launcher ends the job.
+    pub fn abandon(self) {
+        #[cfg(feature = "mpi")]
+        if let Some(m) = self.mpi {
+            m.abandon();
+        }
+    }
+
     /// The MPI runtime, when the backend is MPI.
     #[cfg(feature = "mpi")]
     pub fn mpi(&self) -> Option<&crate::Mpi> {

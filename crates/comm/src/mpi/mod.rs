@@ -225,6 +225,15 @@ impl Mpi {
     }
 }
 
+impl Mpi {
+    /// Drops the runtime without `MPI_Finalize`, for a rank that is failing: finalising waits
+    /// for every other rank (which may be stuck in a collective with this one until their
+    /// timeout), while exiting without it makes the launcher end the whole job at once.
+    pub fn abandon(self) {
+        runtime().broken = true;
+    }
+}
+
 impl Drop for Mpi {
     fn drop(&mut self) {
         let mut rt = runtime();
