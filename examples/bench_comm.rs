@@ -10,7 +10,9 @@
 //! thread backend on 2, 4 and 8 ranks. The MPI backend, one rank per process:
 //! `cargo build --release --features mpi --example bench_comm`, then
 //! `mpirun -np 2 target/release/examples/bench_comm --backend mpi`; it also times each
-//! collective with the agreement check off (`"checked":false`), which is its cost.
+//! collective with the agreement check off (`"checked":false`), which is its cost, and then
+//! the thread backend on as many ranks inside rank 0's process, for comparison;
+//! `--stage-kib N` sets the bytes a rank moves per round of a large collective.
 
 use kiln_comm::{spawn, CommError, CommExt, Communicator, ReduceOp};
 use std::time::Instant;
@@ -100,13 +102,17 @@ fn print_line(
 
 /// One rank per process under mpirun: every rank times, rank 0 prints the slowest median.
 #[cfg(feature = "mpi")]
-fn bench_mpi(sizes: &[usize]) -> anyhow::Result<()> {
+fn bench_mpi(sizes: &[usize], stage_bytes: Option<usize>) -> anyhow::Result<()> {
     use kiln_comm::{Mpi, MpiCommConfig};
     let mpi = Mpi::init()?;
-    let checked = mpi.world(MpiCommConfig::default())?;
+    let config = MpiCommConfig {
+        stage_bytes: stage_bytes.unwrap_or(MpiCommConfig::default().stage_bytes),
+        ..MpiCommConfig::default()
+    };
+    let checked = mpi.world(config)?;
     let unchecked = mpi.world(MpiCommConfig {
         check: false,
-        ..MpiCommConfig::default()
+        ..config
     })?;
     let world = checked.world_size();
     for &bytes in sizes {
@@ -121,13 +127,25 @@ fn bench_mpi(sizes: &[usize]) -> anyhow::Result<()> {
             }
         }
     }
+    // the thread backend at the same world size, on rank 0's process, for comparison in the
+    // same run (the other processes wait in a barrier, which sleeps between polls)
+    if checked.rank() == 0 {
+        for &bytes in sizes {
+            let memcpy = memcpy_gbps(bytes);
+            for op in OPS {
+                let t = time_op(op, world, bytes)?;
+                print_line("thread", true, op, bytes, world, t, memcpy);
+            }
+        }
+    }
+    checked.barrier()?;
     drop((checked, unchecked));
     drop(mpi);
     Ok(())
 }
 
 #[cfg(not(feature = "mpi"))]
-fn bench_mpi(_sizes: &[usize]) -> anyhow::Result<()> {
+fn bench_mpi(_sizes: &[usize], _stage_bytes: Option<usize>) -> anyhow::Result<()> {
     anyhow::bail!("--backend mpi needs the mpi feature: cargo build --release --features mpi --example bench_comm")
 }
 
@@ -152,6 +170,12 @@ fn main() -> anyhow::Result<()> {
         .find(|w| w[0] == "--backend")
         .map(|w| w[1].as_str())
         .unwrap_or("thread");
+    // the MPI backend's round size (MpiCommConfig::stage_bytes), to tune it
+    let stage_kib: Option<usize> = args
+        .windows(2)
+        .find(|w| w[0] == "--stage-kib")
+        .map(|w| w[1].parse())
+        .transpose()?;
     let sizes: Vec<usize> = if quick {
         vec![1 << 20, 64 << 20]
     } else {
@@ -159,7 +183,7 @@ fn main() -> anyhow::Result<()> {
     };
     match backend {
         "thread" => {}
-        "mpi" => return bench_mpi(&sizes),
+        "mpi" => return bench_mpi(&sizes, stage_kib.map(|k| k << 10)),
         other => anyhow::bail!("unknown --backend {other}: expected thread or mpi"),
     }
     let worlds = [2usize, 4, 8];

@@ -82,6 +82,21 @@ fn driver() {
             run.output()
         );
     }
+    // rounds of 4 KiB: many rounds, uneven sub-chunks
+    for np in [2, 3] {
+        let run = launch_with(np, "suite", &[("KILN_TEST_STAGE_BYTES", "4096")]);
+        assert!(
+            run.success(),
+            "suite on {np} processes failed: {}",
+            run.output()
+        );
+        assert_eq!(
+            said(&run, "suite ok"),
+            (0..np).collect::<Vec<_>>(),
+            "{}",
+            run.output()
+        );
+    }
 
     let run = launch(2, "launch", Duration::from_secs(120));
     assert!(run.success(), "launch: {}", run.output());
@@ -153,11 +168,11 @@ fn worker(role: &str) {
     }
     let mpi = Mpi::init().expect("MPI_Init_thread");
     let timeout = if role == "stall" { 2.0 } else { 60.0 };
-    let world = mpi
-        .world(MpiCommConfig::with_timeout(Duration::from_secs_f64(
-            timeout,
-        )))
-        .expect("world communicator");
+    let mut config = MpiCommConfig::with_timeout(Duration::from_secs_f64(timeout));
+    if let Ok(b) = std::env::var("KILN_TEST_STAGE_BYTES") {
+        config.stage_bytes = b.parse().expect("KILN_TEST_STAGE_BYTES");
+    }
+    let world = mpi.world(config).expect("world communicator");
     let me = world.rank();
     match role {
         "suite" => {

@@ -298,41 +298,6 @@ impl CommHandle {
         Ok(req)
     }
 
-    /// `MPI_Iallgatherv` of bytes.
-    ///
-    /// # Safety
-    /// As [`CommHandle::ialltoallv`].
-    pub(crate) unsafe fn iallgatherv(
-        self,
-        send: *const u8,
-        send_count: usize,
-        recv: *mut u8,
-        recv_counts: *const c_int,
-        recv_displs: *const c_int,
-    ) -> Result<Request> {
-        // SAFETY: a null request handle the call overwrites.
-        let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
-        let count = to_int(send_count, "MPI_Iallgatherv")?;
-        // SAFETY: per the caller.
-        check(
-            unsafe {
-                ffi::MPI_Iallgatherv(
-                    send.cast::<c_void>(),
-                    count,
-                    ffi::RSMPI_UINT8_T,
-                    recv.cast::<c_void>(),
-                    recv_counts,
-                    recv_displs,
-                    ffi::RSMPI_UINT8_T,
-                    self.c(),
-                    &mut req,
-                )
-            },
-            "MPI_Iallgatherv",
-        )?;
-        Ok(req)
-    }
-
     /// `MPI_Iallgather` of bytes (`len` from every rank).
     ///
     /// # Safety
