@@ -5,7 +5,8 @@
 //! - `kill -9` of one MPI rank after the step-10 checkpoint: mpirun ends the job; the relaunch
 //!   with `--resume` continues from the last committed checkpoint and ends bitwise equal to the
 //!   uninterrupted run (losses of the resumed steps and the step-30 checkpoint files).
-//! - The step-10 checkpoint of the MPI run resumes on thread ranks, bitwise too.
+//! - The step-10 checkpoint of the MPI run resumes on thread ranks, and the step-20 one of the
+//!   thread run on MPI processes, bitwise too.
 //! - A rank stopped with SIGSTOP (alive, silent): the others' hang watchdog prints its report
 //!   and exits with `HANG_EXIT_CODE`, and mpirun ends the job.
 //!
@@ -296,25 +297,39 @@ fn mpi_processes_train_bitwise_like_threads_and_resume_after_kill_9() {
     }
     assert_same_checkpoint(&thread_out, &killed_out, 30);
 
-    // a checkpoint written by the MPI processes resumes on thread ranks
-    let cross = dir.join("cross");
-    let src = mpi_out.join("checkpoints");
-    std::fs::create_dir_all(cross.join("checkpoints/step-00000010")).unwrap();
-    for e in std::fs::read_dir(src.join("step-00000010")).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(
-            e.path(),
-            cross.join("checkpoints/step-00000010").join(e.file_name()),
-        )
-        .unwrap();
-    }
-    let run = threads(&cross, &["--resume"]);
+    // a checkpoint written by the MPI processes resumes on thread ranks, and the other way
+    let from_mpi = dir.join("from-mpi");
+    copy_checkpoint(&mpi_out, &from_mpi, 10);
+    let run = threads(&from_mpi, &["--resume"]);
     assert!(
         run.stdout.contains("resumed from the step-10 checkpoint"),
         "{}",
         run.output()
     );
-    assert_same_checkpoint(&thread_out, &cross, 30);
+    assert_same_checkpoint(&thread_out, &from_mpi, 30);
+    let from_threads = dir.join("from-threads");
+    copy_checkpoint(&thread_out, &from_threads, 20);
+    let run = run_with_deadline(
+        mpi_cmd(&mpirun_bin, &from_threads, &["--resume"]),
+        Duration::from_secs(600),
+    );
+    assert!(run.success(), "{}", run.output());
+    assert!(
+        run.stdout.contains("resumed from the step-20 checkpoint"),
+        "{}",
+        run.output()
+    );
+    assert_same_checkpoint(&thread_out, &from_threads, 30);
+}
+
+/// Copies the committed step-`step` checkpoint of run `from` into a fresh run folder `to`.
+fn copy_checkpoint(from: &Path, to: &Path, step: u64) {
+    let dir = format!("checkpoints/step-{step:08}");
+    std::fs::create_dir_all(to.join(&dir)).unwrap();
+    for e in std::fs::read_dir(from.join(&dir)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(&dir).join(e.file_name())).unwrap();
+    }
 }
 
 #[test]

@@ -6,6 +6,11 @@
 //! - [`ThreadComm`]: the ranks are threads of one process exchanging through shared memory; the
 //!   embedded default on which every kiln test and example runs. [`spawn`] runs a closure on N
 //!   ranks.
+//! - `MpiComm` (feature `mpi`): one rank per process over MPI, started by mpirun or srun, with
+//!   bitwise the thread backend's results.
+//! - [`launch`]: who this process is under torchrun, Open MPI, PMI or Slurm
+//!   ([`launch::LaunchEnv`]), the world communicator of a [`launch::Backend`]
+//!   ([`launch::init_from_env`]), and a TCP rendezvous store ([`launch::TcpStore`]).
 //! - Element types through the sealed [`CommElem`]: f32, f64, f16, bf16, i64, u32; f16 and bf16
 //!   reduce in f32. Reductions are deterministic (fixed rank order).
 //! - Faults are errors, never hangs: every wait has a timeout ([`CommError::Timeout`]), a rank

@@ -86,7 +86,7 @@ pub struct Runtime {
 
 impl Runtime {
     /// Ends the runtime of a failing rank without waiting for the others (MPI: no
-    /// `MPI_Finalize`, see [`crate::Mpi::abandon`]); the process should exit with an error
+    /// `MPI_Finalize`, see `Mpi::abandon`); the process should exit with an error
     /// next, so that the launcher ends the job.
     pub fn abandon(self) {
         #[cfg(feature = "mpi")]
