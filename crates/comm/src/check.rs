@@ -112,25 +112,30 @@ pub(crate) fn split_members(splits: &[(u32, u32)]) -> Vec<(Vec<usize>, usize)> {
         .collect()
 }
 
+/// A bf16 max call of collective 4, for the unit tests of this module and the wire form.
+#[cfg(test)]
+pub(crate) fn test_call(op: OpKind, len: usize, chunk_len: usize) -> Call {
+    Call {
+        desc: Descriptor::new(
+            4,
+            op,
+            Some(DType::BF16),
+            len,
+            Some(crate::ReduceOp::Max),
+            None,
+        ),
+        chunk_len,
+        dtype_fault: None,
+        split: (0, 0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::elem::ReduceOp;
 
     fn call(op: OpKind, len: usize, chunk_len: usize) -> Call {
-        Call {
-            desc: Descriptor {
-                seq: 4,
-                op,
-                dtype: Some(DType::BF16),
-                len,
-                reduce: Some(ReduceOp::Max),
-                root: None,
-            },
-            chunk_len,
-            dtype_fault: None,
-            split: (0, 0),
-        }
+        test_call(op, len, chunk_len)
     }
 
     #[test]

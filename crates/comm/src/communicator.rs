@@ -64,6 +64,25 @@ pub struct Descriptor {
 }
 
 impl Descriptor {
+    /// The descriptor of collective number `seq`.
+    pub fn new(
+        seq: u64,
+        op: OpKind,
+        dtype: Option<DType>,
+        len: usize,
+        reduce: Option<ReduceOp>,
+        root: Option<usize>,
+    ) -> Descriptor {
+        Descriptor {
+            seq,
+            op,
+            dtype,
+            len,
+            reduce,
+            root,
+        }
+    }
+
     /// True when two ranks' descriptors describe the same collective call.
     pub fn matches(&self, other: &Descriptor) -> bool {
         self == other

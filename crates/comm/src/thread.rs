@@ -250,14 +250,14 @@ impl ThreadComm {
         reduce: Option<ReduceOp>,
         root: Option<usize>,
     ) -> Descriptor {
-        Descriptor {
-            seq: self.seq.load(Ordering::SeqCst),
+        Descriptor::new(
+            self.seq.load(Ordering::SeqCst),
             op,
             dtype,
             len,
             reduce,
             root,
-        }
+        )
     }
 
     /// Runs one round: publish, wait for all, check, work, wait until all finished.

@@ -101,21 +101,7 @@ impl Call {
 mod tests {
     use super::*;
 
-    fn call(op: OpKind, len: usize, chunk_len: usize) -> Call {
-        Call {
-            desc: Descriptor {
-                seq: 4,
-                op,
-                dtype: Some(DType::BF16),
-                len,
-                reduce: Some(ReduceOp::Max),
-                root: None,
-            },
-            chunk_len,
-            dtype_fault: None,
-            split: (0, 0),
-        }
-    }
+    use crate::check::test_call as call;
 
     #[test]
     fn wire_form_round_trips() {

@@ -420,14 +420,14 @@ impl MpiComm {
         reduce: Option<ReduceOp>,
         root: Option<usize>,
     ) -> Descriptor {
-        Descriptor {
-            seq: self.seq.load(Ordering::SeqCst),
+        Descriptor::new(
+            self.seq.load(Ordering::SeqCst),
             op,
             dtype,
             len,
             reduce,
             root,
-        }
+        )
     }
 
     /// Runs one collective: agreement, then `data` (skipped when the check fails).
