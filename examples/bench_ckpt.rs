@@ -28,16 +28,16 @@ struct Flat {
 }
 
 impl Stateful for Flat {
-    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+    fn state(&self) -> kiln_ckpt::Result<StateDict, kiln_ckpt::StateError> {
         let mut sd = StateDict::new();
         sd.put("flat", &[self.w.len()], &self.w)?;
         Ok(sd)
     }
-    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<(), kiln_ckpt::StateError> {
         state.read_into("flat", &mut self.w)
     }
     /// Describes the state without copying it.
-    fn state_spec(&self) -> kiln_ckpt::Result<BTreeMap<String, TensorSpec>> {
+    fn state_spec(&self) -> kiln_ckpt::Result<BTreeMap<String, TensorSpec>, kiln_ckpt::StateError> {
         let spec = TensorSpec {
             dtype: DType::F32,
             shape: vec![self.w.len()],

@@ -24,6 +24,7 @@
 #[cfg(feature = "ckpt")]
 pub use kiln_ckpt as ckpt;
 pub use kiln_comm as comm;
+pub use kiln_state as state;
 #[cfg(feature = "data")]
 pub use kiln_data as data;
 #[cfg(feature = "memory")]

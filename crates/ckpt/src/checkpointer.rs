@@ -126,7 +126,7 @@ impl Checkpointer {
     /// Sets a free-form entry written into the manifest of every later save (rank 0's
     /// values are the ones recorded).
     pub fn set_user_meta<V: Serialize>(&mut self, key: &str, value: V) -> Result<()> {
-        let v = serde_json::to_value(value).map_err(|e| CkptError::Meta {
+        let v = serde_json::to_value(value).map_err(|e| kiln_state::StateError::Meta {
             key: key.to_string(),
             reason: e.to_string(),
         })?;

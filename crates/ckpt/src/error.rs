@@ -1,6 +1,6 @@
 //! The error type of kiln-ckpt.
 
-use crate::tensor::DType;
+use kiln_state::StateError;
 
 /// Everything saving, loading, verifying or resharding a checkpoint can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -25,59 +25,13 @@ pub enum CkptError {
         /// The storage path.
         path: String,
     },
+    /// A component's state, a tensor or a shard is not what was asked for (dtype, shape,
+    /// element count, metadata, shard, missing tensor).
+    #[error(transparent)]
+    State(#[from] StateError),
     /// A collective failed.
     #[error("communication failed: {0}")]
     Comm(#[from] kiln_comm::CommError),
-    /// A tensor holds another element type than the one asked for.
-    #[error("tensor {name}: expected dtype {expected}, got {got}")]
-    DtypeMismatch {
-        /// The tensor.
-        name: String,
-        /// The dtype asked for.
-        expected: DType,
-        /// The dtype stored.
-        got: DType,
-    },
-    /// A tensor has another shape than the one expected.
-    #[error("tensor {name}: expected shape {expected:?}, got {got:?}")]
-    ShapeMismatch {
-        /// The tensor.
-        name: String,
-        /// The shape expected.
-        expected: Vec<usize>,
-        /// The shape found.
-        got: Vec<usize>,
-    },
-    /// A byte buffer does not fit the dtype and shape it is declared with.
-    #[error("tensor {name}: {dtype} {shape:?} needs {expected} bytes, got {got}")]
-    ByteLength {
-        /// The tensor.
-        name: String,
-        /// Its dtype.
-        dtype: DType,
-        /// Its shape.
-        shape: Vec<usize>,
-        /// Bytes the dtype and shape need (saturating at `u128::MAX`).
-        expected: u128,
-        /// Bytes given.
-        got: usize,
-    },
-    /// A typed buffer has the wrong number of elements.
-    #[error("tensor {name}: expected {expected} elements, got {got}")]
-    ElementCount {
-        /// The tensor.
-        name: String,
-        /// Elements the tensor holds.
-        expected: usize,
-        /// Elements of the buffer given.
-        got: usize,
-    },
-    /// A tensor is not in the state dict or checkpoint.
-    #[error("missing tensor {name}")]
-    MissingTensor {
-        /// The tensor (`part/name` where the part is known).
-        name: String,
-    },
     /// A part is not in the checkpoint.
     #[error("missing part {part}")]
     MissingPart {
@@ -100,14 +54,6 @@ pub enum CkptError {
         /// The unexpected tensors or parts.
         names: Vec<String>,
     },
-    /// A metadata entry is missing or does not deserialize.
-    #[error("metadata {key}: {reason}")]
-    Meta {
-        /// The key.
-        key: String,
-        /// What was wrong.
-        reason: String,
-    },
     /// A part or tensor name is not allowed.
     #[error("invalid name {name:?}: {reason}")]
     BadName {
@@ -121,14 +67,6 @@ pub enum CkptError {
     BadPath {
         /// The path.
         path: String,
-    },
-    /// A shard description does not fit the tensor it describes.
-    #[error("tensor {name}: invalid shard: {reason}")]
-    BadShard {
-        /// The tensor.
-        name: String,
-        /// What was wrong.
-        reason: String,
     },
     /// A rank file is not a valid kiln safetensors file.
     #[error("{path}: invalid safetensors file: {reason}")]
@@ -210,18 +148,6 @@ pub enum CkptError {
         /// The checkpoint's.
         got: String,
     },
-    /// A tensor dimension cannot be split evenly into the requested number of parts.
-    #[error("cannot reshard tensor {name}: dim {dim} of size {size} is not divisible by {factor}")]
-    NotDivisible {
-        /// The tensor.
-        name: String,
-        /// The dimension.
-        dim: usize,
-        /// Its size.
-        size: usize,
-        /// The number of parts asked for.
-        factor: usize,
-    },
     /// A resharding request cannot be served from the saved shards.
     #[error("cannot reshard tensor {name}: {reason}")]
     Reshard {
@@ -262,54 +188,6 @@ impl CkptError {
                 | CkptError::Format { .. }
                 | CkptError::Manifest { .. }
         )
-    }
-
-    /// Replaces the tensor name of a tensor-level error (used where a nameless tensor is known
-    /// by name one level up).
-    pub(crate) fn named(self, n: &str) -> Self {
-        match self {
-            CkptError::DtypeMismatch { expected, got, .. } => CkptError::DtypeMismatch {
-                name: n.to_string(),
-                expected,
-                got,
-            },
-            CkptError::ShapeMismatch { expected, got, .. } => CkptError::ShapeMismatch {
-                name: n.to_string(),
-                expected,
-                got,
-            },
-            CkptError::ByteLength {
-                dtype,
-                shape,
-                expected,
-                got,
-                ..
-            } => CkptError::ByteLength {
-                name: n.to_string(),
-                dtype,
-                shape,
-                expected,
-                got,
-            },
-            CkptError::ElementCount { expected, got, .. } => CkptError::ElementCount {
-                name: n.to_string(),
-                expected,
-                got,
-            },
-            CkptError::BadShard { reason, .. } => CkptError::BadShard {
-                name: n.to_string(),
-                reason,
-            },
-            CkptError::NotDivisible {
-                dim, size, factor, ..
-            } => CkptError::NotDivisible {
-                name: n.to_string(),
-                dim,
-                size,
-                factor,
-            },
-            other => other,
-        }
     }
 }
 

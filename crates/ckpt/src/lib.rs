@@ -63,10 +63,8 @@ mod policy;
 mod rankfile;
 mod reshard;
 mod save;
-mod shard;
 mod state;
 mod storage;
-mod tensor;
 
 pub use checkpointer::{CheckpointConfig, Checkpointer};
 pub use error::{CkptError, Result};
@@ -75,11 +73,13 @@ pub use load::{Latest, Loaded, RankProblem, Skipped};
 pub use manifest::{rank_file_name, FileEntry, Manifest, TensorEntry, MANIFEST_FORMAT};
 pub use policy::{Retention, SavePolicy};
 pub use rankfile::{decode_rank_file, encode_rank_file, FORMAT_VERSION};
-pub use reshard::{GlobalTensor, ReshardRequest, Want};
+pub use reshard::{GlobalTensor, ReshardRequest};
 pub use save::{step_dir, tmp_dir, SaveReport, LATEST_FILE, MANIFEST_FILE, MANIFEST_SHA_FILE};
-pub use shard::{FlatShard, Shard, ShardSpec};
-pub use state::{
-    KeyReport, LoadOptions, RankState, RngState, StateDict, Stateful, Step, TensorSpec,
+pub use state::{KeyReport, LoadOptions, RankState};
+// How components describe their state lives in kiln-state, below every crate that has state;
+// re-exported here so that a checkpoint's users need one import.
+pub use kiln_state::{
+    DType, Element, FlatShard, RngState, Shard, ShardSpec, StateDict, StateError, Stateful, Step,
+    TensorData, TensorSpec, Want,
 };
 pub use storage::{LocalFs, Storage, StorageReader, StorageWriter};
-pub use tensor::{DType, Element, TensorData};

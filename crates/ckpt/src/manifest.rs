@@ -5,9 +5,10 @@
 use crate::error::{CkptError, Result};
 use crate::layout::Layout;
 use crate::rankfile::FORMAT_VERSION;
-use crate::shard::Shard;
-use crate::state::{check_part_name, check_tensor_name};
-use crate::tensor::{numel, DType};
+use crate::state::check_part_name;
+use kiln_state::check_tensor_name;
+use kiln_state::Shard;
+use kiln_state::{numel, DType};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;

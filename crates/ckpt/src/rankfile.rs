@@ -8,13 +8,41 @@
 //! `safetensors::SafeTensors::read_metadata`, which validates offsets and sizes.
 
 use crate::error::{CkptError, Result};
-use crate::state::{check_part_name, check_tensor_name, RankState, StateDict};
-use crate::tensor::{DType, TensorData};
+use crate::state::{check_part_name, RankState};
+use kiln_state::{check_tensor_name, StateDict};
+use kiln_state::{DType, TensorData};
 use safetensors::tensor::TensorInfo;
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
+
+/// The safetensors dtype of a kiln dtype.
+fn to_safetensors(d: DType) -> safetensors::Dtype {
+    match d {
+        DType::F32 => safetensors::Dtype::F32,
+        DType::F16 => safetensors::Dtype::F16,
+        DType::BF16 => safetensors::Dtype::BF16,
+        DType::F64 => safetensors::Dtype::F64,
+        DType::I64 => safetensors::Dtype::I64,
+        DType::U32 => safetensors::Dtype::U32,
+        DType::U8 => safetensors::Dtype::U8,
+    }
+}
+
+/// The kiln dtype of a safetensors dtype, `None` for types kiln does not store.
+fn dtype_from_safetensors(d: safetensors::Dtype) -> Option<DType> {
+    Some(match d {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::BF16 => DType::BF16,
+        safetensors::Dtype::F64 => DType::F64,
+        safetensors::Dtype::I64 => DType::I64,
+        safetensors::Dtype::U32 => DType::U32,
+        safetensors::Dtype::U8 => DType::U8,
+        _ => return None,
+    })
+}
 
 /// The newest checkpoint format version this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
@@ -85,7 +113,7 @@ pub(crate) fn encode(state: &RankState) -> Result<Encoded<'_>> {
     meta.insert(FORMAT_KEY.to_string(), FORMAT_VERSION.to_string());
     let mut entries: Vec<(String, &TensorData)> = Vec::new();
     for (part, sd) in state.parts() {
-        let m = serde_json::to_string(sd.meta_map()).map_err(|e| CkptError::Meta {
+        let m = serde_json::to_string(sd.meta_map()).map_err(|e| kiln_state::StateError::Meta {
             key: part.to_string(),
             reason: e.to_string(),
         })?;
@@ -95,9 +123,8 @@ pub(crate) fn encode(state: &RankState) -> Result<Encoded<'_>> {
         }
     }
     entries.sort_by(|(ln, lt), (rn, rt)| {
-        rt.dtype()
-            .to_safetensors()
-            .cmp(&lt.dtype().to_safetensors())
+        to_safetensors(rt.dtype())
+            .cmp(&to_safetensors(lt.dtype()))
             .then(ln.cmp(rn))
     });
     let mut offset = 0usize;
@@ -108,7 +135,7 @@ pub(crate) fn encode(state: &RankState) -> Result<Encoded<'_>> {
         infos.push((
             name,
             TensorInfo {
-                dtype: t.dtype().to_safetensors(),
+                dtype: to_safetensors(t.dtype()),
                 shape: t.shape().to_vec(),
                 data_offsets: (offset, offset + n),
             },
@@ -248,7 +275,7 @@ pub(crate) fn parse_header(prefix: &[u8], file_len: usize, path: &str) -> Result
         };
         check_part_name(part).map_err(|e| format(e.to_string()))?;
         check_tensor_name(name).map_err(|e| format(e.to_string()))?;
-        let dtype = DType::from_safetensors(info.dtype).ok_or_else(|| {
+        let dtype = dtype_from_safetensors(info.dtype).ok_or_else(|| {
             format(format!(
                 "tensor {full}: dtype {} is not supported",
                 info.dtype
@@ -350,7 +377,7 @@ mod tests {
     struct V<'a>(&'a TensorData);
     impl safetensors::View for V<'_> {
         fn dtype(&self) -> safetensors::Dtype {
-            self.0.dtype().to_safetensors()
+            to_safetensors(self.0.dtype())
         }
         fn shape(&self) -> &[usize] {
             self.0.shape()

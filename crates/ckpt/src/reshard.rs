@@ -7,68 +7,12 @@ use crate::layout::Layout;
 use crate::load::{read_rank_file, VerifiedFile};
 use crate::manifest::Manifest;
 use crate::save::step_dir;
-use crate::shard::Shard;
-use crate::state::{RankState, StateDict};
+use crate::state::RankState;
 use crate::storage::Storage;
-use crate::tensor::{numel, DType, TensorData};
+use kiln_state::Shard;
+use kiln_state::StateDict;
+use kiln_state::{numel, DType, TensorData, Want};
 use std::collections::BTreeMap;
-
-/// Which slice of a global tensor a rank wants.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Want {
-    /// The whole tensor.
-    Full,
-    /// Part `index` of `parts` equal slices along `dim` (tensor parallel: dim 0 for
-    /// column-parallel weights, dim 1 for row-parallel ones); the dimension must be
-    /// divisible by `parts` ([`CkptError::NotDivisible`] otherwise).
-    DimChunk {
-        /// The split dimension.
-        dim: usize,
-        /// Number of slices.
-        parts: usize,
-        /// Which slice.
-        index: usize,
-    },
-    /// Part `index` of `parts` of the flattened tensor under [`kiln_comm::chunk_range`]
-    /// (ZeRO's flat shards; uneven sizes allowed).
-    FlatChunk {
-        /// Number of chunks.
-        parts: usize,
-        /// Which chunk.
-        index: usize,
-    },
-    /// An explicit slice (its global shape must be the tensor's).
-    Slice(Shard),
-}
-
-impl Want {
-    /// The region of a tensor of `global_shape` this asks for (`None` for the whole tensor).
-    fn resolve(&self, name: &str, global_shape: &[usize]) -> Result<Option<Shard>> {
-        let named = |e: CkptError| e.named(name);
-        let s = match self {
-            Want::Full => return Ok(None),
-            Want::DimChunk { dim, parts, index } => {
-                Shard::dim_chunk(global_shape, *dim, *parts, *index).map_err(named)?
-            }
-            Want::FlatChunk { parts, index } => {
-                Shard::flat_chunk(global_shape, *parts, *index).map_err(named)?
-            }
-            Want::Slice(s) => {
-                if s.global_shape() != global_shape {
-                    return Err(CkptError::Reshard {
-                        name: name.to_string(),
-                        reason: format!(
-                            "requested slice {s} but the tensor's global shape is {global_shape:?}"
-                        ),
-                    });
-                }
-                s.validate().map_err(named)?;
-                s.clone()
-            }
-        };
-        Ok(Some(s))
-    }
-}
 
 /// What each rank of the new layout wants from a checkpoint.
 ///
@@ -287,7 +231,7 @@ fn assemble(
             .get(*rank)?
             .tensors
             .get(name)
-            .ok_or_else(|| CkptError::MissingTensor {
+            .ok_or_else(|| kiln_state::StateError::MissingTensor {
                 name: name.to_string(),
             })?
             .bytes();
@@ -320,7 +264,7 @@ fn assemble(
         });
     }
     let shape = region.map_or_else(|| g.global_shape.clone(), Shard::local_shape);
-    TensorData::new(g.dtype, shape, out).map_err(|e| e.named(name))
+    Ok(TensorData::new(g.dtype, shape, out).map_err(|e| e.named(name))?)
 }
 
 /// One rank's resharded load of checkpoint `step` whose verified manifest is `manifest`.
@@ -339,7 +283,7 @@ pub(crate) fn load_resharded_local(
     }
     for name in req.tensors.keys() {
         if !manifest.files.iter().any(|f| f.tensors.contains_key(name)) {
-            return Err(CkptError::MissingTensor { name: name.clone() });
+            return Err(kiln_state::StateError::MissingTensor { name: name.clone() }.into());
         }
     }
     let mut files = Files {

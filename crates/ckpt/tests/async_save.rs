@@ -64,12 +64,12 @@ struct Model {
 }
 
 impl Stateful for Model {
-    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+    fn state(&self) -> kiln_ckpt::Result<StateDict, kiln_ckpt::StateError> {
         let mut sd = StateDict::new();
         sd.put("w", &[self.w.len()], &self.w)?;
         Ok(sd)
     }
-    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<(), kiln_ckpt::StateError> {
         state.read_into("w", &mut self.w)
     }
 }

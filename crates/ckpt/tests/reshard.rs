@@ -234,7 +234,7 @@ fn tensor_parallel_shards_load_at_tp1_and_tp4() {
     });
     for e in errs {
         assert!(
-            matches!(&e, CkptError::NotDivisible { name, dim: 0, size: 10, factor: 4 } if name == "model/emb"),
+            matches!(&e, CkptError::State(kiln_ckpt::StateError::NotDivisible { name, dim: 0, size: 10, factor: 4 }) if name == "model/emb"),
             "{e}"
         );
         assert_eq!(

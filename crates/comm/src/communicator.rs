@@ -3,6 +3,7 @@
 
 use crate::elem::{Buf, BufMut, CommElem, DType, ReduceOp};
 use crate::error::Result;
+pub use kiln_state::chunk_range;
 use std::fmt;
 use std::time::Duration;
 
@@ -103,31 +104,6 @@ impl fmt::Display for Descriptor {
         }
         f.write_str(")")
     }
-}
-
-/// The chunking rule for `reduce_scatter` and `all_gather` over `world` ranks.
-///
-/// A logical buffer of `len` elements is cut into `world` contiguous chunks in rank order; the
-/// first `len % world` ranks get one element more than the others
-/// (`len / world + 1`, then `len / world`). Rank `r`'s chunk is `chunk_range(len, world, r)`.
-/// The same rule serves ZeRO's parameter and optimizer shards.
-///
-/// ```
-/// use kiln_comm::chunk_range;
-/// assert_eq!(chunk_range(7, 3, 0), 0..3);
-/// assert_eq!(chunk_range(7, 3, 1), 3..5);
-/// assert_eq!(chunk_range(7, 3, 2), 5..7);
-/// assert_eq!(chunk_range(2, 4, 3), 2..2);
-/// ```
-pub fn chunk_range(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
-    if world == 0 {
-        return 0..0;
-    }
-    let base = len / world;
-    let extra = len % world;
-    let start = |r: usize| r * base + r.min(extra);
-    let r = rank.min(world);
-    start(r)..start((r + 1).min(world))
 }
 
 /// Collective communication among the ranks of a group.

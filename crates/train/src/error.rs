@@ -118,5 +118,11 @@ boxed_from!(
     Io: std::io::Error,
 );
 
+impl From<kiln_state::StateError> for TrainError {
+    fn from(e: kiln_state::StateError) -> Self {
+        TrainError::Ckpt(Box::new(e.into()))
+    }
+}
+
 /// The result type of kiln-train.
 pub type Result<T, E = TrainError> = std::result::Result<T, E>;

@@ -47,8 +47,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-fn ck(e: impl std::fmt::Display) -> kiln_ckpt::CkptError {
-    kiln_ckpt::CkptError::Config(e.to_string())
+fn ck(e: impl std::fmt::Display) -> kiln_state::StateError {
+    kiln_state::StateError::component("trainer state", e)
 }
 
 /// One parameter's place in the flat units and in the checkpoint.
@@ -357,7 +357,7 @@ impl<'a> MasterWeights<'a> {
 }
 
 impl Stateful for MasterWeights<'_> {
-    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+    fn state(&self) -> kiln_state::Result<StateDict> {
         let mut sd = StateDict::new();
         let units: Vec<&[f32]> = self.engine.master().iter().map(Vec::as_slice).collect();
         self.plan
@@ -366,7 +366,7 @@ impl Stateful for MasterWeights<'_> {
         Ok(sd)
     }
 
-    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+    fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
         let mut master: Vec<Vec<f32>> = self.engine.master().to_vec();
         self.plan
             .load_buffers(&state, "", &mut master)
@@ -374,7 +374,7 @@ impl Stateful for MasterWeights<'_> {
         self.engine.load_master(master).map_err(ck)
     }
 
-    fn state_spec(&self) -> kiln_ckpt::Result<BTreeMap<String, TensorSpec>> {
+    fn state_spec(&self) -> kiln_state::Result<BTreeMap<String, TensorSpec>> {
         Ok(self.plan.spec(&[""]))
     }
 }
@@ -402,7 +402,7 @@ const EXP_AVG: &str = "exp_avg/";
 const EXP_AVG_SQ: &str = "exp_avg_sq/";
 
 impl Stateful for AdamMoments<'_> {
-    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+    fn state(&self) -> kiln_state::Result<StateDict> {
         let mut sd = StateDict::new();
         let opt = self.engine.optimizers();
         let m: Vec<&[f32]> = opt.iter().map(|o| o.exp_avg()).collect();
@@ -419,7 +419,7 @@ impl Stateful for AdamMoments<'_> {
         Ok(sd)
     }
 
-    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+    fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
         let steps: u64 = state.meta("step_count")?;
         let opt = self.engine.optimizers();
         let mut m: Vec<Vec<f32>> = opt.iter().map(|o| o.exp_avg().to_vec()).collect();
@@ -446,7 +446,7 @@ impl Stateful for AdamMoments<'_> {
         Ok(())
     }
 
-    fn state_spec(&self) -> kiln_ckpt::Result<BTreeMap<String, TensorSpec>> {
+    fn state_spec(&self) -> kiln_state::Result<BTreeMap<String, TensorSpec>> {
         Ok(self.plan.spec(&[EXP_AVG, EXP_AVG_SQ]))
     }
 }
@@ -455,13 +455,13 @@ impl Stateful for AdamMoments<'_> {
 pub struct ScalerPart<'a>(pub &'a mut dyn LossScaler);
 
 impl Stateful for ScalerPart<'_> {
-    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+    fn state(&self) -> kiln_state::Result<StateDict> {
         let mut sd = StateDict::new();
         sd.set_meta("state", self.0.state())?;
         Ok(sd)
     }
 
-    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+    fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
         let s: ScalerState = state.meta("state")?;
         self.0.load_state(&s).map_err(ck)
     }
@@ -472,13 +472,13 @@ impl Stateful for ScalerPart<'_> {
 pub struct LoaderPart<'a>(pub &'a mut DataLoader);
 
 impl Stateful for LoaderPart<'_> {
-    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+    fn state(&self) -> kiln_state::Result<StateDict> {
         let mut sd = StateDict::new();
         sd.set_meta("state", self.0.state())?;
         Ok(sd)
     }
 
-    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+    fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
         let s: LoaderState = state.meta("state")?;
         self.0.load_state(s).map_err(ck)
     }
@@ -488,13 +488,13 @@ impl Stateful for LoaderPart<'_> {
 pub struct BreakerPart<'a>(pub &'a mut CircuitBreaker);
 
 impl Stateful for BreakerPart<'_> {
-    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+    fn state(&self) -> kiln_state::Result<StateDict> {
         let mut sd = StateDict::new();
         sd.set_meta("state", self.0.state())?;
         Ok(sd)
     }
 
-    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+    fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
         let s: BreakerState = state.meta("state")?;
         self.0.load_state(s);
         Ok(())
@@ -558,13 +558,13 @@ pub struct TrainerProgress {
 }
 
 impl Stateful for TrainerProgress {
-    fn state(&self) -> kiln_ckpt::Result<StateDict> {
+    fn state(&self) -> kiln_state::Result<StateDict> {
         let mut sd = StateDict::new();
         sd.set_meta("progress", self)?;
         Ok(sd)
     }
 
-    fn load_state(&mut self, state: StateDict) -> kiln_ckpt::Result<()> {
+    fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
         *self = state.meta("progress")?;
         Ok(())
     }

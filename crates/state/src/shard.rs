@@ -1,7 +1,7 @@
 //! Which part of a global tensor one rank holds: a slice along one dimension (tensor
 //! parallel) or a flat range of the row-major flattened tensor (ZeRO's flat buffers).
 
-use crate::error::{CkptError, Result};
+use crate::error::{Result, StateError};
 use crate::tensor::numel;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -24,7 +24,7 @@ pub struct ShardSpec {
 
 /// Elements `start..start + len` of the row-major flattening of a tensor of shape
 /// `global_shape`, as ZeRO shards its flat parameter and optimizer buffers (rank `r` of `n`
-/// holding [`kiln_comm::chunk_range`]`(numel, n, r)`). The local tensor's shape is `[len]`.
+/// holding [`chunk_range`]`(numel, n, r)`). The local tensor's shape is `[len]`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct FlatShard {
     /// Shape of the whole tensor (`[n]` for a flat buffer).
@@ -33,6 +33,32 @@ pub struct FlatShard {
     pub start: usize,
     /// Number of elements held.
     pub len: usize,
+}
+
+/// The chunking rule for `reduce_scatter` and `all_gather` over `world` ranks.
+///
+/// A logical buffer of `len` elements is cut into `world` contiguous chunks in rank order; the
+/// first `len % world` ranks get one element more than the others
+/// (`len / world + 1`, then `len / world`). Rank `r`'s chunk is `chunk_range(len, world, r)`.
+/// The same rule serves ZeRO's parameter and optimizer shards ([`Shard::flat_chunk`]), and
+/// kiln-comm's `reduce_scatter` and `all_gather` re-export it.
+///
+/// ```
+/// use kiln_state::chunk_range;
+/// assert_eq!(chunk_range(7, 3, 0), 0..3);
+/// assert_eq!(chunk_range(7, 3, 1), 3..5);
+/// assert_eq!(chunk_range(7, 3, 2), 5..7);
+/// assert_eq!(chunk_range(2, 4, 3), 2..2);
+/// ```
+pub fn chunk_range(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+    if world == 0 {
+        return 0..0;
+    }
+    let base = len / world;
+    let extra = len % world;
+    let start = |r: usize| r * base + r.min(extra);
+    let r = rank.min(world);
+    start(r)..start((r + 1).min(world))
 }
 
 /// How a rank's tensor relates to the global tensor it is part of.
@@ -66,7 +92,7 @@ impl Shard {
     }
 
     /// Part `index` of `parts` equal slices along `dim`, as tensor parallelism splits; fails
-    /// with [`CkptError::NotDivisible`] unless `parts` divides the dimension.
+    /// with [`StateError::NotDivisible`] unless `parts` divides the dimension.
     pub fn dim_chunk(
         global_shape: &[usize],
         dim: usize,
@@ -74,13 +100,13 @@ impl Shard {
         index: usize,
     ) -> Result<Shard> {
         let Some(&size) = global_shape.get(dim) else {
-            return Err(CkptError::BadShard {
+            return Err(StateError::BadShard {
                 name: String::new(),
                 reason: format!("dim {dim} out of range for shape {global_shape:?}"),
             });
         };
         if parts == 0 || size % parts != 0 {
-            return Err(CkptError::NotDivisible {
+            return Err(StateError::NotDivisible {
                 name: String::new(),
                 dim,
                 size,
@@ -88,7 +114,7 @@ impl Shard {
             });
         }
         if index >= parts {
-            return Err(CkptError::BadShard {
+            return Err(StateError::BadShard {
                 name: String::new(),
                 reason: format!("part {index} of {parts} does not exist"),
             });
@@ -97,20 +123,20 @@ impl Shard {
         Ok(Shard::dim(global_shape, dim, index * len, len))
     }
 
-    /// Part `index` of `parts` of the flattened tensor under [`kiln_comm::chunk_range`]
+    /// Part `index` of `parts` of the flattened tensor under [`chunk_range`]
     /// (uneven sizes allowed, as ZeRO shards).
     pub fn flat_chunk(global_shape: &[usize], parts: usize, index: usize) -> Result<Shard> {
-        let n = numel(global_shape).ok_or_else(|| CkptError::BadShard {
+        let n = numel(global_shape).ok_or_else(|| StateError::BadShard {
             name: String::new(),
             reason: format!("shape {global_shape:?} overflows"),
         })?;
         if parts == 0 || index >= parts {
-            return Err(CkptError::BadShard {
+            return Err(StateError::BadShard {
                 name: String::new(),
                 reason: format!("part {index} of {parts} does not exist"),
             });
         }
-        let r = kiln_comm::chunk_range(n, parts, index);
+        let r = chunk_range(n, parts, index);
         Ok(Shard::flat(global_shape, r.start, r.len()))
     }
 
@@ -139,7 +165,7 @@ impl Shard {
     /// Checks that the slice lies inside the global tensor.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| {
-            Err(CkptError::BadShard {
+            Err(StateError::BadShard {
                 name: String::new(),
                 reason,
             })
@@ -180,7 +206,7 @@ impl Shard {
         self.validate()?;
         let expected = self.local_shape();
         if expected != local {
-            return Err(CkptError::BadShard {
+            return Err(StateError::BadShard {
                 name: String::new(),
                 reason: format!("local shape {local:?} but the shard {self} holds {expected:?}"),
             });
@@ -191,7 +217,7 @@ impl Shard {
     /// The element runs of the row-major flattened global tensor this shard covers, as
     /// `(global start, length)` in increasing order, adjacent runs merged. The shard must be
     /// valid ([`Shard::validate`]).
-    pub(crate) fn runs(&self) -> Vec<(usize, usize)> {
+    pub fn runs(&self) -> Vec<(usize, usize)> {
         match self {
             Shard::Flat(s) => {
                 if s.len == 0 {
@@ -213,7 +239,7 @@ impl Shard {
 
 /// Runs of a dim-slice: `outer` blocks of `size * inner` elements, each contributing
 /// `len * inner` elements at offset `start * inner`.
-pub(crate) fn dim_runs(
+pub fn dim_runs(
     outer: usize,
     size: usize,
     inner: usize,

@@ -1,15 +1,14 @@
 //! Plain typed tensors: a dtype, a shape and little-endian bytes, independent of any tensor
 //! library, so every crate can hand its state to a checkpoint.
 
-use crate::error::{CkptError, Result};
+use crate::error::{Result, StateError};
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// The element type of a stored tensor.
+/// The element type of a stored tensor (exhaustive: the checkpoint format maps every one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-#[non_exhaustive]
 pub enum DType {
     /// 32-bit IEEE float.
     F32,
@@ -49,33 +48,6 @@ impl DType {
             DType::U32 => "u32",
             DType::U8 => "u8",
         }
-    }
-
-    /// The safetensors dtype this maps to.
-    pub fn to_safetensors(self) -> safetensors::Dtype {
-        match self {
-            DType::F32 => safetensors::Dtype::F32,
-            DType::F16 => safetensors::Dtype::F16,
-            DType::BF16 => safetensors::Dtype::BF16,
-            DType::F64 => safetensors::Dtype::F64,
-            DType::I64 => safetensors::Dtype::I64,
-            DType::U32 => safetensors::Dtype::U32,
-            DType::U8 => safetensors::Dtype::U8,
-        }
-    }
-
-    /// The kiln dtype of a safetensors dtype, `None` for types kiln does not store.
-    pub fn from_safetensors(d: safetensors::Dtype) -> Option<DType> {
-        Some(match d {
-            safetensors::Dtype::F32 => DType::F32,
-            safetensors::Dtype::F16 => DType::F16,
-            safetensors::Dtype::BF16 => DType::BF16,
-            safetensors::Dtype::F64 => DType::F64,
-            safetensors::Dtype::I64 => DType::I64,
-            safetensors::Dtype::U32 => DType::U32,
-            safetensors::Dtype::U8 => DType::U8,
-            _ => return None,
-        })
     }
 }
 
@@ -125,7 +97,7 @@ impl Element for u8 {
 }
 
 /// Number of elements of a shape, `None` on overflow.
-pub(crate) fn numel(shape: &[usize]) -> Option<usize> {
+pub fn numel(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
 }
 
@@ -174,7 +146,7 @@ impl TensorData {
             .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
             .is_some_and(|b| b == bytes.len());
         if !ok {
-            return Err(CkptError::ByteLength {
+            return Err(StateError::ByteLength {
                 name: String::new(),
                 expected: bytes_needed(dtype, &shape),
                 got: bytes.len(),
@@ -192,7 +164,7 @@ impl TensorData {
     /// Copies a typed slice; fails unless `data.len()` is the element count of `shape`.
     pub fn from_slice<T: Element>(shape: &[usize], data: &[T]) -> Result<Self> {
         if numel(shape) != Some(data.len()) {
-            return Err(CkptError::ElementCount {
+            return Err(StateError::ElementCount {
                 name: String::new(),
                 expected: numel(shape).unwrap_or(usize::MAX),
                 got: data.len(),
@@ -254,10 +226,10 @@ impl TensorData {
         self.bytes
     }
 
-    /// Fails with [`CkptError::DtypeMismatch`] unless the dtype is `T`'s.
+    /// Fails with [`StateError::DtypeMismatch`] unless the dtype is `T`'s.
     fn check_dtype<T: Element>(&self) -> Result<()> {
         if self.dtype != T::DTYPE {
-            return Err(CkptError::DtypeMismatch {
+            return Err(StateError::DtypeMismatch {
                 name: String::new(),
                 expected: T::DTYPE,
                 got: self.dtype,
@@ -266,10 +238,10 @@ impl TensorData {
         Ok(())
     }
 
-    /// Fails with [`CkptError::ShapeMismatch`] unless the shape is `shape`.
+    /// Fails with [`StateError::ShapeMismatch`] unless the shape is `shape`.
     pub fn check_shape(&self, shape: &[usize]) -> Result<()> {
         if self.shape != shape {
-            return Err(CkptError::ShapeMismatch {
+            return Err(StateError::ShapeMismatch {
                 name: String::new(),
                 expected: shape.to_vec(),
                 got: self.shape.clone(),
@@ -291,7 +263,7 @@ impl TensorData {
     pub fn copy_to<T: Element>(&self, out: &mut [T]) -> Result<()> {
         self.check_dtype::<T>()?;
         if out.len() != self.numel() {
-            return Err(CkptError::ElementCount {
+            return Err(StateError::ElementCount {
                 name: String::new(),
                 expected: self.numel(),
                 got: out.len(),
@@ -306,7 +278,7 @@ impl TensorData {
         self.check_dtype::<T>()?;
         let mut out = [T::zeroed()];
         if self.numel() != 1 {
-            return Err(CkptError::ElementCount {
+            return Err(StateError::ElementCount {
                 name: String::new(),
                 expected: 1,
                 got: self.numel(),
@@ -364,7 +336,7 @@ mod tests {
         let t = TensorData::from_slice(&[2, 2], &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
         assert!(matches!(
             t.to_vec::<f64>(),
-            Err(CkptError::DtypeMismatch {
+            Err(StateError::DtypeMismatch {
                 expected: DType::F64,
                 got: DType::F32,
                 ..
@@ -372,12 +344,12 @@ mod tests {
         ));
         assert!(matches!(
             t.check_shape(&[4]),
-            Err(CkptError::ShapeMismatch { .. })
+            Err(StateError::ShapeMismatch { .. })
         ));
         let mut out = [0.0f32; 3];
         assert!(matches!(
             t.copy_to(&mut out),
-            Err(CkptError::ElementCount {
+            Err(StateError::ElementCount {
                 expected: 4,
                 got: 3,
                 ..
@@ -385,7 +357,7 @@ mod tests {
         ));
         assert!(matches!(
             TensorData::from_slice(&[3], &[1.0f32, 2.0]),
-            Err(CkptError::ElementCount { .. })
+            Err(StateError::ElementCount { .. })
         ));
         let e = TensorData::new(DType::F32, vec![3], vec![0; 11]).unwrap_err();
         assert_eq!(
