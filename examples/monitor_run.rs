@@ -56,7 +56,7 @@ fn main() -> anyhow::Result<()> {
     while step < STEPS {
         step += 1;
         // the data loader: the next BATCH ids that no skipped window holds
-        let skip: HashSet<u64> = breaker.state().skipped_sample_ids();
+        let skip: HashSet<u64> = breaker.breaker_state().skipped_sample_ids();
         let mut ids = Vec::with_capacity(BATCH);
         while ids.len() < BATCH {
             if !skip.contains(&cursor) {
@@ -114,7 +114,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     sinks.close()?;
-    let st = breaker.state();
+    let st = breaker.breaker_state();
     let mut skipped: Vec<u64> = st.skipped_sample_ids().into_iter().collect();
     skipped.sort_unstable();
     println!(

@@ -24,7 +24,6 @@
 #[cfg(feature = "ckpt")]
 pub use kiln_ckpt as ckpt;
 pub use kiln_comm as comm;
-pub use kiln_state as state;
 #[cfg(feature = "data")]
 pub use kiln_data as data;
 #[cfg(feature = "memory")]
@@ -39,5 +38,6 @@ pub use kiln_optim as optim;
 pub use kiln_parallel as parallel;
 #[cfg(feature = "precision")]
 pub use kiln_precision as precision;
+pub use kiln_state as state;
 #[cfg(feature = "train")]
 pub use kiln_train as train;

@@ -29,7 +29,7 @@
 //! let cfg = LoaderConfig { dp: 2, rank: 1, ..LoaderConfig::new(10, 2) };
 //! let mut loader = DataLoader::new(vec![source.clone()], None, cfg.clone())?;
 //! assert_eq!(loader.batches_per_epoch(), Some(2)); // 10 samples / (2 ranks x 2)
-//! let state = loader.state();
+//! let state = loader.loader_state();
 //! let batch = loader.next_batch()?;
 //! let s = batch.sample_ids[0].index as u32;
 //! assert_eq!(batch.row_inputs(0), (10 * s..10 * s + 10).collect::<Vec<u32>>());

@@ -114,7 +114,7 @@ pub struct LoaderStats {
 /// With one source, batches follow a [`DistributedSampler`] (epochs, tail policy); with several,
 /// a [`Mixture`] whose weights can change during training. Samples are read through a shared
 /// [`ChunkCache`] over the memory-mapped shards, transformed on the worker threads, and handed
-/// out in the same order whatever the number of workers. [`DataLoader::state`] after batch k,
+/// out in the same order whatever the number of workers. [`DataLoader::loader_state`] after batch k,
 /// loaded into a fresh loader, continues with batch k + 1 bitwise as the uninterrupted loader
 /// would have.
 ///
@@ -228,7 +228,7 @@ impl DataLoader {
         Ok(loader)
     }
 
-    /// A loader restored from `state` (see [`DataLoader::load_state`]).
+    /// A loader restored from `state` (see [`DataLoader::load_loader_state`]).
     pub fn restore(
         sources: Vec<TokenSource>,
         weights: Option<&[f64]>,
@@ -236,7 +236,7 @@ impl DataLoader {
         state: LoaderState,
     ) -> Result<Self> {
         let mut l = Self::new(sources, weights, cfg)?;
-        l.load_state(state)?;
+        l.load_loader_state(state)?;
         Ok(l)
     }
 
@@ -361,7 +361,7 @@ impl DataLoader {
     }
 
     /// The state after the last batch delivered, with this loader's dp, rank and batch size.
-    pub fn state(&self) -> LoaderState {
+    pub fn loader_state(&self) -> LoaderState {
         let mut s = self.state.clone();
         s.dp = self.cfg.dp;
         s.rank = self.cfg.rank;
@@ -375,7 +375,7 @@ impl DataLoader {
     /// cursors count samples across the whole group, so the next global batch is the next
     /// `dp * batch_size` samples of the same order and no sample is lost or repeated within the
     /// epoch; otherwise it is [`DataError::DpMismatch`] naming saved and current dp.
-    pub fn load_state(&mut self, state: LoaderState) -> Result<()> {
+    pub fn load_loader_state(&mut self, state: LoaderState) -> Result<()> {
         let mismatch = |field, saved: String, current: String| DataError::StateMismatch {
             field,
             saved,

@@ -95,3 +95,20 @@ impl LoaderState {
         Ok(s)
     }
 }
+
+/// The loader as a kiln-state component: its [`LoaderState`] (skip set included) as the metadata
+/// entry `loader`. Loading checks the seed, context, tail policy and sources, and reshards the
+/// position to this loader's data-parallel degree (see [`crate::DataLoader::load_loader_state`]).
+impl kiln_state::Stateful for crate::DataLoader {
+    fn state(&self) -> kiln_state::Result<kiln_state::StateDict> {
+        let mut sd = kiln_state::StateDict::new();
+        sd.set_meta("loader", self.loader_state())?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: kiln_state::StateDict) -> kiln_state::Result<()> {
+        let s: LoaderState = state.meta("loader")?;
+        self.load_loader_state(s)
+            .map_err(|e| kiln_state::StateError::component("data loader", e))
+    }
+}

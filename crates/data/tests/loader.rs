@@ -234,7 +234,7 @@ fn resume_is_bitwise_at_several_k_including_an_epoch_boundary() {
         let mut a = DataLoader::new(single.clone(), None, c(1)).unwrap();
         a.add_transform(Arc::new(TokenDropout::new(0.1, 0).unwrap()));
         take(&mut a, k);
-        let json = a.state().to_json().unwrap();
+        let json = a.loader_state().to_json().unwrap();
         drop(a);
         let state = LoaderState::from_json(&json).unwrap();
         assert_eq!(state.step, k as u64);
@@ -267,7 +267,7 @@ fn resume_is_bitwise_at_several_k_including_an_epoch_boundary() {
     for k in [0usize, 4, 5, 9, 10, 24] {
         let mut a = DataLoader::new(srcs.clone(), None, cfg(16, 3, 1, 0, 0)).unwrap();
         drive(&mut a, 0, k);
-        let state = LoaderState::from_json(&a.state().to_json().unwrap()).unwrap();
+        let state = LoaderState::from_json(&a.loader_state().to_json().unwrap()).unwrap();
         let mut b = DataLoader::restore(srcs.clone(), None, cfg(16, 3, 1, 0, 2), state).unwrap();
         assert_eq!(drive(&mut b, k, 25), all[k..], "mixture resume at k = {k}");
     }
@@ -287,8 +287,8 @@ fn a_state_loads_into_another_dp_size_or_names_both() {
             seen.extend(l.next_batch().unwrap().sample_ids.iter().map(|i| i.index));
         }
     }
-    let state = old[0].state();
-    assert_eq!(state, old[1].state().clone_with_rank(0));
+    let state = old[0].loader_state();
+    assert_eq!(state, old[1].loader_state().clone_with_rank(0));
     // the uninterrupted dp 2 run's next global batches
     let mut cont: Vec<Vec<u64>> = Vec::new();
     for _ in 3..8 {
@@ -400,12 +400,12 @@ fn skipped_samples_stay_skipped_and_are_saved() {
     let src = vec![source(&d, 0, 16 * 40 + 1, &[200])];
     let mut l = DataLoader::new(src.clone(), None, cfg(16, 4, 1, 0, 2)).unwrap();
     take(&mut l, 3);
-    let before = l.state();
+    let before = l.loader_state();
     let bad = l.next_batch().unwrap();
     // roll back to before the bad batch and skip its samples
     let mut r = DataLoader::restore(src.clone(), None, cfg(16, 4, 1, 0, 2), before).unwrap();
     r.skip_samples(bad.sample_ids.iter().copied());
-    let state = r.state();
+    let state = r.loader_state();
     assert!(bad.sample_ids.iter().all(|&id| state.skip.contains(id)));
     let mut rest = Vec::new();
     for _ in 0..30 {
@@ -487,7 +487,7 @@ fn a_failing_worker_names_the_worker_and_the_sample() {
                 msg.contains("data worker") && msg.contains(&bad.to_string()),
                 "{msg}"
             );
-            assert_eq!(l.state().step, 4);
+            assert_eq!(l.loader_state().step, 4);
         }
     }
 }

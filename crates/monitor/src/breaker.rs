@@ -289,7 +289,7 @@ impl Decision {
 /// let ids = [300, 301, 302, 303];
 /// let d = breaker.decide(30, &[spike], &BatchInfo { sample_ids: &ids, last_checkpoint_step: Some(25) });
 /// assert_eq!(d.action, Action::Rollback { to_step: 25, skip_samples: ids.to_vec() });
-/// assert!(breaker.state().skipped_sample_ids().contains(&302));
+/// assert!(breaker.breaker_state().skipped_sample_ids().contains(&302));
 /// assert_eq!(breaker.lr_factor(26), 0.5); // cool-down after the rollback
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -317,12 +317,12 @@ impl CircuitBreaker {
     }
 
     /// The state, for checkpoints.
-    pub fn state(&self) -> &BreakerState {
+    pub fn breaker_state(&self) -> &BreakerState {
         &self.state
     }
 
     /// Replaces the state (loading a checkpoint).
-    pub fn load_state(&mut self, state: BreakerState) {
+    pub fn load_breaker_state(&mut self, state: BreakerState) {
         self.state = state;
     }
 
@@ -495,4 +495,18 @@ fn skip_batch(st: &mut BreakerState, step: u64, batch: &BatchInfo<'_>) -> Action
         });
     }
     Action::SkipBatch
+}
+/// The breaker as a kiln-state component: its [`BreakerState`] (skipped sample windows,
+/// rollbacks, cool-down) as the metadata entry `breaker`.
+impl kiln_state::Stateful for CircuitBreaker {
+    fn state(&self) -> kiln_state::Result<kiln_state::StateDict> {
+        let mut sd = kiln_state::StateDict::new();
+        sd.set_meta("breaker", self.breaker_state())?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: kiln_state::StateDict) -> kiln_state::Result<()> {
+        self.load_breaker_state(state.meta("breaker")?);
+        Ok(())
+    }
 }

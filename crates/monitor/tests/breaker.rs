@@ -65,7 +65,7 @@ fn loss_spike_rolls_back_to_the_checkpoint_and_skips_the_batch() {
     let kinds: Vec<EventKind> = d.events.iter().map(|e| e.kind).collect();
     assert_eq!(kinds, [EventKind::Alert, EventKind::Rollback]);
     assert_eq!(d.events[1].action.as_ref(), Some(&d.action));
-    let st = b.state();
+    let st = b.breaker_state();
     assert_eq!(st.rollbacks, 1);
     assert_eq!(st.skipped.len(), 1);
     assert_eq!(st.skipped[0].step, 30);
@@ -132,7 +132,7 @@ fn no_checkpoint_degrades_a_rollback_to_a_skip() {
     // a checkpoint at (or after) the spike step is not a rollback target either
     let d = b.decide(8, &[spike()], &batch(&ids(8), Some(8)));
     assert_eq!(d.action, Action::SkipBatch);
-    assert_eq!(b.state().rollbacks, 0);
+    assert_eq!(b.breaker_state().rollbacks, 0);
 }
 
 #[test]
@@ -144,9 +144,9 @@ fn non_finite_skips_the_batch() {
         d.events.iter().map(|e| e.kind).collect::<Vec<_>>(),
         [EventKind::Alert, EventKind::SkipBatch]
     );
-    assert_eq!(b.state().skipped_batches, 1);
-    assert_eq!(b.state().skipped[0].cause, SkipCause::SkipBatch);
-    assert_eq!(b.state().skipped[0].sample_ids, ids(12));
+    assert_eq!(b.breaker_state().skipped_batches, 1);
+    assert_eq!(b.breaker_state().skipped[0].cause, SkipCause::SkipBatch);
+    assert_eq!(b.breaker_state().skipped[0].sample_ids, ids(12));
     assert_eq!(b.lr_factor(13), 1.0);
 }
 
@@ -160,14 +160,14 @@ fn the_most_severe_answer_wins_and_alerts_do_not_count() {
     );
     assert!(matches!(d.action, Action::Rollback { to_step: 30, .. }));
     assert_eq!(d.events.len(), 4);
-    assert_eq!(b.state().event_marks.len(), 1);
+    assert_eq!(b.breaker_state().event_marks.len(), 1);
     // a straggler alone is an alert: continue, and never a halt
     for s in 41..100 {
         let d = b.decide(s, &[straggler()], &batch(&ids(s), Some(30)));
         assert_eq!(d.action, Action::Continue);
         assert_eq!(d.events.len(), 1);
     }
-    assert_eq!(b.state().event_marks.len(), 1);
+    assert_eq!(b.breaker_state().event_marks.len(), 1);
 }
 
 #[test]
@@ -200,13 +200,13 @@ fn grad_spike_cool_down_expires() {
     for s in 11..=13 {
         let d = b.decide(s, &[], &batch(&ids(s), Some(5)));
         assert!(d.events.is_empty(), "step {s}: {:?}", d.events);
-        assert!(b.state().cooldown.is_some());
+        assert!(b.breaker_state().cooldown.is_some());
     }
     let d = b.decide(14, &[], &batch(&ids(14), Some(5)));
     assert_eq!(d.action, Action::Continue);
     assert_eq!(d.events.len(), 1);
     assert_eq!(d.events[0].kind, EventKind::CoolDownEnded);
-    assert!(b.state().cooldown.is_none());
+    assert!(b.breaker_state().cooldown.is_none());
 }
 
 #[test]
@@ -291,13 +291,13 @@ fn state_survives_json_and_a_restored_breaker_decides_the_same() {
     let mut a = CircuitBreaker::new(BreakerPolicy::default()).unwrap();
     a.decide(30, &[spike()], &batch(&ids(30), Some(25)));
     a.decide(26, &[nan()], &batch(&ids(26), Some(25)));
-    let json = serde_json::to_string(a.state()).unwrap();
+    let json = serde_json::to_string(a.breaker_state()).unwrap();
     let state: BreakerState = serde_json::from_str(&json).unwrap();
-    assert_eq!(&state, a.state());
+    assert_eq!(&state, a.breaker_state());
     let mut b = CircuitBreaker::with_state(BreakerPolicy::default(), state).unwrap();
     assert_eq!(
-        b.state().skipped_sample_ids(),
-        a.state().skipped_sample_ids()
+        b.breaker_state().skipped_sample_ids(),
+        a.breaker_state().skipped_sample_ids()
     );
     for s in 27..200u64 {
         let v = match s % 37 {
@@ -311,7 +311,7 @@ fn state_survives_json_and_a_restored_breaker_decides_the_same() {
         assert_eq!(da.events.len(), db.events.len());
         assert_eq!(a.lr_factor(s), b.lr_factor(s));
     }
-    assert_eq!(a.state(), b.state());
+    assert_eq!(a.breaker_state(), b.breaker_state());
 }
 
 #[test]

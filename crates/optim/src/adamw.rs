@@ -63,7 +63,7 @@ impl AdamWConfig {
 }
 
 /// The state of an [`AdamW`] (serde): the step count and the two moment buffers, PyTorch's
-/// `step`, `exp_avg` and `exp_avg_sq`. Restoring it with [`AdamW::load_state`] resumes
+/// `step`, `exp_avg` and `exp_avg_sq`. Restoring it with [`AdamW::load_adamw_state`] resumes
 /// bitwise. The hyperparameters are not part of it: they come from the run's configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AdamWState {
@@ -349,7 +349,7 @@ impl AdamW {
     }
 
     /// A copy of the state, for a checkpoint.
-    pub fn state(&self) -> AdamWState {
+    pub fn adamw_state(&self) -> AdamWState {
         AdamWState {
             step: self.step,
             m: self.m.clone(),
@@ -357,9 +357,9 @@ impl AdamW {
         }
     }
 
-    /// Restores a state taken with [`AdamW::state`] from an optimizer of the same length;
+    /// Restores a state taken with [`AdamW::adamw_state`] from an optimizer of the same length;
     /// resumes bitwise.
-    pub fn load_state(&mut self, state: AdamWState) -> Result<()> {
+    pub fn load_adamw_state(&mut self, state: AdamWState) -> Result<()> {
         check_len("adamw load_state", "m", self.m.len(), state.m.len())?;
         check_len("adamw load_state", "v", self.v.len(), state.v.len())?;
         self.step = state.step;
@@ -417,5 +417,30 @@ impl Optimizer for AdamW {
 
     fn state_buffers_mut(&mut self) -> Vec<(&'static str, &mut [f32])> {
         vec![("exp_avg", &mut self.m), ("exp_avg_sq", &mut self.v)]
+    }
+}
+/// AdamW as a kiln-state component, in PyTorch's terms: tensors `exp_avg` and `exp_avg_sq`
+/// (this optimizer's flat buffers) and metadata `step` and `config`. Loading checks the lengths
+/// and takes the step count and moments; the hyperparameters stay this optimizer's. An engine
+/// that shards parameters saves the moments per parameter instead (kiln-parallel).
+impl kiln_state::Stateful for AdamW {
+    fn state(&self) -> kiln_state::Result<kiln_state::StateDict> {
+        let mut sd = kiln_state::StateDict::new();
+        sd.put("exp_avg", &[self.m.len()], &self.m)?;
+        sd.put("exp_avg_sq", &[self.v.len()], &self.v)?;
+        sd.set_meta("step", self.step)?;
+        sd.set_meta("config", self.config)?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: kiln_state::StateDict) -> kiln_state::Result<()> {
+        let n = self.m.len();
+        let s = AdamWState {
+            step: state.meta("step")?,
+            m: state.get_shaped("exp_avg", &[n])?,
+            v: state.get_shaped("exp_avg_sq", &[n])?,
+        };
+        self.load_adamw_state(s)
+            .map_err(|e| kiln_state::StateError::component("adamw", e))
     }
 }

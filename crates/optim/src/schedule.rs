@@ -216,3 +216,24 @@ impl<S: LrSchedule + ?Sized> LrSchedule for Box<S> {
         (**self).lr(step)
     }
 }
+/// A schedule is a pure function of the optimizer step, so its state is its definition
+/// (metadata `schedule`): loading replaces it, as PyTorch's `LRScheduler.load_state_dict`
+/// does. The step itself is counted once, by the optimizer.
+macro_rules! stateful_schedule {
+    ($($t:ty),*) => {
+        $(
+            impl kiln_state::Stateful for $t {
+                fn state(&self) -> kiln_state::Result<kiln_state::StateDict> {
+                    let mut sd = kiln_state::StateDict::new();
+                    sd.set_meta("schedule", self)?;
+                    Ok(sd)
+                }
+                fn load_state(&mut self, state: kiln_state::StateDict) -> kiln_state::Result<()> {
+                    *self = state.meta("schedule")?;
+                    Ok(())
+                }
+            }
+        )*
+    };
+}
+stateful_schedule!(Constant, WarmupDecay);

@@ -400,11 +400,11 @@ fn resume_is_bitwise() {
 
     let (mut p, first) = run_range(cfg, n, 0..n, 5, 1);
     // through serde, as a checkpoint would
-    let json = serde_json::to_string(&first.state()).unwrap();
+    let json = serde_json::to_string(&first.adamw_state()).unwrap();
     let state: AdamWState = serde_json::from_str(&json).unwrap();
     assert_eq!(state.step, 5);
     let mut resumed = AdamW::new(n, cfg).unwrap();
-    resumed.load_state(state).unwrap();
+    resumed.load_adamw_state(state).unwrap();
     // and through the named buffers, as a tensor checkpoint would
     let mut by_buffers = AdamW::new(n, cfg).unwrap();
     for ((name, dst), (src_name, src)) in by_buffers
@@ -451,7 +451,7 @@ fn bad_lengths_are_errors_and_change_nothing() {
     assert_eq!(p, [1.0; 4]);
     assert!(opt.exp_avg().iter().all(|&m| m == 0.0));
     let e = opt
-        .load_state(AdamWState {
+        .load_adamw_state(AdamWState {
             step: 1,
             m: vec![0.0; 3],
             v: vec![0.0; 4],

@@ -215,7 +215,7 @@ impl LossScaler for DynamicLossScaler {
         }
     }
 
-    fn state(&self) -> ScalerState {
+    fn scaler_state(&self) -> ScalerState {
         ScalerState::Dynamic {
             scale: self.scale,
             growth_tracker: self.growth_tracker,
@@ -224,7 +224,7 @@ impl LossScaler for DynamicLossScaler {
         }
     }
 
-    fn load_state(&mut self, state: &ScalerState) -> Result<()> {
+    fn load_scaler_state(&mut self, state: &ScalerState) -> Result<()> {
         match state {
             ScalerState::Dynamic {
                 scale,

@@ -4,8 +4,8 @@
 //! - [`Precision`] / [`ComputeDType`]: compute in f32, f16 or bf16; master weights are always
 //!   f32. [`cast_to_compute`] and [`cast_to_master`] convert slices (round to nearest even).
 //! - [`LossScaler`]: `scale`, `unscale_and_check` (one fused pass: unscale and detect inf/NaN),
-//!   `update(found_inf) -> ScaleEvent`, and `state`/`load_state` through the serde
-//!   [`ScalerState`]. [`ScaleEvent::skipped_step`] tells callers that the optimizer step was
+//!   `update(found_inf) -> ScaleEvent`, and `scaler_state`/`load_scaler_state` through the
+//!   serde [`ScalerState`]; every scaler (and `dyn LossScaler`) is a kiln-state `Stateful`. [`ScaleEvent::skipped_step`] tells callers that the optimizer step was
 //!   skipped (the LR schedule must not advance).
 //! - [`DynamicLossScaler`]: GradScaler's defaults and rules, plus DeepSpeed's hysteresis, a
 //!   minimum scale ([`PrecisionError::ScaleUnderflow`]) and a maximum. [`StaticLossScaler`]
@@ -36,6 +36,7 @@ mod dynamic;
 mod error;
 mod policy;
 mod scaler;
+mod stateful;
 
 pub use check::{all_reduce_found_inf, has_non_finite, unscale_and_check, unscale_and_check_from};
 pub use dynamic::{DynamicLossScaler, DynamicScalerConfig};

@@ -125,10 +125,10 @@ pub trait LossScaler: Send + std::fmt::Debug {
     /// what happened to the step and the scale, or [`PrecisionError::ScaleUnderflow`].
     fn update(&mut self, found_inf: bool) -> Result<ScaleEvent>;
     /// The state to checkpoint.
-    fn state(&self) -> ScalerState;
-    /// Restores a state from [`LossScaler::state`]; a state of another kind of scaler is an
+    fn scaler_state(&self) -> ScalerState;
+    /// Restores a state from [`LossScaler::scaler_state`]; a state of another kind of scaler is an
     /// error.
-    fn load_state(&mut self, state: &ScalerState) -> Result<()>;
+    fn load_scaler_state(&mut self, state: &ScalerState) -> Result<()>;
 }
 
 pub(crate) fn check_scale(name: &'static str, value: f32) -> Result<f32> {
@@ -162,10 +162,10 @@ impl LossScaler for NoScaler {
             ScaleEvent::Stepped
         })
     }
-    fn state(&self) -> ScalerState {
+    fn scaler_state(&self) -> ScalerState {
         ScalerState::None
     }
-    fn load_state(&mut self, state: &ScalerState) -> Result<()> {
+    fn load_scaler_state(&mut self, state: &ScalerState) -> Result<()> {
         match state {
             ScalerState::None => Ok(()),
             other => Err(PrecisionError::StateKind {
@@ -205,10 +205,10 @@ impl LossScaler for StaticLossScaler {
             ScaleEvent::Stepped
         })
     }
-    fn state(&self) -> ScalerState {
+    fn scaler_state(&self) -> ScalerState {
         ScalerState::Static { scale: self.scale }
     }
-    fn load_state(&mut self, state: &ScalerState) -> Result<()> {
+    fn load_scaler_state(&mut self, state: &ScalerState) -> Result<()> {
         match state {
             ScalerState::Static { scale } => {
                 self.scale = check_scale("scale", *scale)?;
@@ -247,8 +247,10 @@ mod tests {
         assert!(s.unscale_and_check(&mut g));
         assert_eq!(g[0], 1.5);
         assert!(s.update(true).unwrap().skipped_step());
-        assert!(s.load_state(&ScalerState::Static { scale: 2.0 }).is_err());
-        s.load_state(&ScalerState::None).unwrap();
+        assert!(s
+            .load_scaler_state(&ScalerState::Static { scale: 2.0 })
+            .is_err());
+        s.load_scaler_state(&ScalerState::None).unwrap();
     }
 
     #[test]

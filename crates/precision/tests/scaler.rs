@@ -212,7 +212,7 @@ fn underflow_at_minimum_is_an_error() {
     assert_eq!(s.scale(), 3.0);
     assert_eq!(s.update(true).unwrap(), ScaleEvent::BackedOff);
     assert_eq!(s.scale(), 2.0); // 1.5 clamped to the minimum
-    let before = s.state();
+    let before = s.scaler_state();
     let err = s.update(true).unwrap_err();
     assert!(matches!(
         err,
@@ -225,7 +225,7 @@ fn underflow_at_minimum_is_an_error() {
         err.to_string(),
         "loss scale underflow: gradients overflowed at scale 2 which is already the minimum 2"
     );
-    assert_eq!(s.state(), before);
+    assert_eq!(s.scaler_state(), before);
     // a clean step still works at the minimum
     assert_eq!(s.update(false).unwrap(), ScaleEvent::Stepped);
 }
@@ -358,29 +358,29 @@ fn state_round_trips_through_json_and_resumes_identically() {
     for &f in &pattern[..137] {
         a.update(f).unwrap();
     }
-    let state = a.state();
+    let state = a.scaler_state();
     let json = serde_json::to_string(&state).unwrap();
     let back: ScalerState = serde_json::from_str(&json).unwrap();
     assert_eq!(back, state);
     assert!(json.contains("\"kind\":\"dynamic\""), "{json}");
 
     let mut b = DynamicLossScaler::default();
-    b.load_state(&back).unwrap();
+    b.load_scaler_state(&back).unwrap();
     assert_eq!(b, a);
     for &f in &pattern[137..] {
         assert_eq!(a.update(f).unwrap(), b.update(f).unwrap());
         assert_eq!(a.scale().to_bits(), b.scale().to_bits());
     }
 
-    let st = StaticLossScaler::new(512.0).unwrap().state();
+    let st = StaticLossScaler::new(512.0).unwrap().scaler_state();
     let json = serde_json::to_string(&st).unwrap();
     assert_eq!(json, r#"{"kind":"static","scale":512.0}"#);
     let mut st2 = StaticLossScaler::new(1.0).unwrap();
-    st2.load_state(&serde_json::from_str(&json).unwrap())
+    st2.load_scaler_state(&serde_json::from_str(&json).unwrap())
         .unwrap();
     assert_eq!(st2.scale(), 512.0);
 
-    let err = b.load_state(&NoScaler.state()).unwrap_err();
+    let err = b.load_scaler_state(&NoScaler.scaler_state()).unwrap_err();
     assert_eq!(
         err.to_string(),
         "cannot load a none scaler state into a dynamic scaler"

@@ -4,9 +4,9 @@
 //! |------|---------|-------|
 //! | `model` | [`MasterWeights`] | fp32 master weights, one tensor per parameter |
 //! | `optim` | [`AdamMoments`] | AdamW `exp_avg/<name>` and `exp_avg_sq/<name>`, the step count |
-//! | `scaler` | [`ScalerPart`] | the loss scaler's state |
-//! | `loader` | [`LoaderPart`] | the data loader's [`kiln_data::LoaderState`] (JSON), skip set included |
-//! | `breaker` | [`BreakerPart`] | the circuit breaker's state, skipped sample windows included |
+//! | `scaler` | the loss scaler itself | its `ScalerState` |
+//! | `loader` | the `DataLoader` itself | its [`kiln_data::LoaderState`] (JSON), skip set included |
+//! | `breaker` | the [`kiln_monitor::CircuitBreaker`] itself | its state, skipped sample windows included |
 //! | `trainer` | [`TrainerProgress`] | step counters, the detectors' recent inputs, the run hash |
 //! | `rng` | [`kiln_ckpt::RngState`] | the seed (every random draw is keyed by it) |
 //!
@@ -37,12 +37,10 @@ use kiln_ckpt::{
     DType, Layout, ReshardRequest, Shard, StateDict, Stateful, TensorData, TensorSpec, Want,
 };
 use kiln_comm::{chunk_range, CommExt, Communicator};
-use kiln_data::{DataLoader, LoaderState};
-use kiln_monitor::{BreakerState, CircuitBreaker, ScalerEvent, StepMetrics};
+use kiln_monitor::{ScalerEvent, StepMetrics};
 use kiln_optim::Optimizer;
 use kiln_parallel::tp::TpSplit;
 use kiln_parallel::{DataParallel, FlatLayout, Stage};
-use kiln_precision::{LossScaler, ScalerState};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -448,56 +446,6 @@ impl Stateful for AdamMoments<'_> {
 
     fn state_spec(&self) -> kiln_state::Result<BTreeMap<String, TensorSpec>> {
         Ok(self.plan.spec(&[EXP_AVG, EXP_AVG_SQ]))
-    }
-}
-
-/// A loss scaler as the `scaler` part (metadata `state`).
-pub struct ScalerPart<'a>(pub &'a mut dyn LossScaler);
-
-impl Stateful for ScalerPart<'_> {
-    fn state(&self) -> kiln_state::Result<StateDict> {
-        let mut sd = StateDict::new();
-        sd.set_meta("state", self.0.state())?;
-        Ok(sd)
-    }
-
-    fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
-        let s: ScalerState = state.meta("state")?;
-        self.0.load_state(&s).map_err(ck)
-    }
-}
-
-/// A data loader as the `loader` part (metadata `state`: its [`LoaderState`], skip set
-/// included). Loading into another data-parallel degree reshards the position.
-pub struct LoaderPart<'a>(pub &'a mut DataLoader);
-
-impl Stateful for LoaderPart<'_> {
-    fn state(&self) -> kiln_state::Result<StateDict> {
-        let mut sd = StateDict::new();
-        sd.set_meta("state", self.0.state())?;
-        Ok(sd)
-    }
-
-    fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
-        let s: LoaderState = state.meta("state")?;
-        self.0.load_state(s).map_err(ck)
-    }
-}
-
-/// A circuit breaker as the `breaker` part (metadata `state`).
-pub struct BreakerPart<'a>(pub &'a mut CircuitBreaker);
-
-impl Stateful for BreakerPart<'_> {
-    fn state(&self) -> kiln_state::Result<StateDict> {
-        let mut sd = StateDict::new();
-        sd.set_meta("state", self.0.state())?;
-        Ok(sd)
-    }
-
-    fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
-        let s: BreakerState = state.meta("state")?;
-        self.0.load_state(s);
-        Ok(())
     }
 }
 

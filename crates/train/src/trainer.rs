@@ -6,10 +6,7 @@ use crate::data::{
 };
 use crate::error::{Result, TrainError};
 use crate::model::{ModelContext, TrainModel};
-use crate::state::{
-    AdamMoments, BreakerPart, DetectorInput, LoaderPart, MasterWeights, ScalerPart, ShardPlan,
-    TrainerProgress,
-};
+use crate::state::{AdamMoments, DetectorInput, MasterWeights, ShardPlan, TrainerProgress};
 use candle_core::{Tensor, Var};
 use kiln_ckpt::{
     CheckpointConfig, Checkpointer, Latest, Layout, LoadOptions, Loaded, LocalFs, RankState,
@@ -866,18 +863,18 @@ impl<M: TrainModel> Trainer<M> {
             &mut AdamMoments::new(&mut self.engine, &self.plan, &*self.dp),
             strict,
         )?;
-        st.restore("scaler", &mut ScalerPart(&mut *self.scaler), strict)?;
-        st.restore("loader", &mut LoaderPart(&mut self.loader), strict)?;
+        st.restore("scaler", &mut self.scaler, strict)?;
+        st.restore("loader", &mut self.loader, strict)?;
         st.restore("trainer", &mut self.progress, strict)?;
         st.restore("rng", &mut self.rng, strict)?;
         if with_breaker {
             if let (Some(b), true) = (self.breaker.as_mut(), st.part("breaker").is_some()) {
-                st.restore("breaker", &mut BreakerPart(b), strict)?;
+                st.restore("breaker", b, strict)?;
             }
         }
         if let Some(b) = &self.breaker {
             let ids: Vec<_> = b
-                .state()
+                .breaker_state()
                 .skipped_sample_ids()
                 .into_iter()
                 .map(decode_sample_id)
@@ -901,10 +898,10 @@ impl<M: TrainModel> Trainer<M> {
             "optim",
             &AdamMoments::new(&mut self.engine, &self.plan, &*self.dp),
         )?;
-        st.capture("scaler", &ScalerPart(&mut *self.scaler))?;
-        st.capture("loader", &LoaderPart(&mut self.loader))?;
+        st.capture("scaler", &self.scaler)?;
+        st.capture("loader", &self.loader)?;
         if let Some(b) = self.breaker.as_mut() {
-            st.capture("breaker", &BreakerPart(b))?;
+            st.capture("breaker", b)?;
         }
         st.capture("trainer", &self.progress)?;
         st.capture("rng", &self.rng)?;

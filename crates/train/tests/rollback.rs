@@ -84,7 +84,7 @@ fn run(cfg: &RunConfig, poison: &BTreeSet<SampleId>) -> (TrainSummary, Option<Lo
         let t = Trainer::builder(ctx.config.clone())
             .transform(Arc::new(Poison(poison.clone())))
             .build(ctx.comm)?;
-        let loader_at_start = t.loader().state();
+        let loader_at_start = t.loader().loader_state();
         Ok((t.run()?, loader_at_start))
     })
     .unwrap();
@@ -95,7 +95,8 @@ fn run(cfg: &RunConfig, poison: &BTreeSet<SampleId>) -> (TrainSummary, Option<Lo
 fn step_part<T: serde::de::DeserializeOwned>(dir: &std::path::Path, step: u64, part: &str) -> T {
     let bytes = std::fs::read(dir.join(format!("step-{step:08}/rank-00001.safetensors"))).unwrap();
     let st = decode_rank_file(&bytes).unwrap();
-    st.part(part).unwrap().meta("state").unwrap()
+    // each component keeps its state under its own name (loader, breaker)
+    st.part(part).unwrap().meta(part).unwrap()
 }
 
 #[test]
