@@ -139,7 +139,8 @@ fn main() -> anyhow::Result<()> {
                 };
                 let mut engine = DataParallel::new(&model.segment_param_lists(), &*groups.dp, dpc)?
                     .with_world(world_comm.clone())
-                    .with_tensor_parallel(tp, &model.tp_replicated_parameters());
+                    .with_param_splits(&model.param_splits())?
+                    .with_tensor_parallel(tp);
                 let per = global_batch / c.dp;
                 let dp_rank = dims.dp_rank(world_comm.rank());
                 let mut times = Vec::new();

@@ -33,17 +33,14 @@ fn tokens(b: usize, t: usize, vocab: usize, salt: usize) -> (Tensor, Tensor) {
     )
 }
 
-/// How a dense parameter is split over tensor-parallel ranks (Megatron layout).
-fn split_of(name: &str) -> TpSplit {
-    if name == "wte" || name.ends_with("mlp.c_fc.weight") || name.ends_with("mlp.c_fc.bias") {
-        TpSplit::Rows
-    } else if name.contains("attn.c_attn") {
-        TpSplit::Qkv
-    } else if name.ends_with("attn.c_proj.weight") || name.ends_with("mlp.c_proj.weight") {
-        TpSplit::Cols
-    } else {
-        TpSplit::Replicated
-    }
+/// How each parameter of `cfg`'s model is split over tensor-parallel ranks, as the model
+/// itself says ([`Gpt::param_splits`]).
+fn splits(cfg: &GptConfig) -> std::collections::HashMap<String, TpSplit> {
+    Gpt::new(cfg, &GptOptions::seeded(3))
+        .unwrap()
+        .param_splits()
+        .into_iter()
+        .collect()
 }
 
 fn flat(t: &Tensor) -> Vec<f32> {
@@ -61,6 +58,8 @@ fn tensor_parallel_equals_tp1_on_small_cpu() {
     let opts = GptOptions::seeded(7);
     let (x, y) = tokens(2, 16, cfg.vocab_size, 1);
     let dense = Gpt::new(&cfg, &opts).unwrap();
+    let split: std::collections::HashMap<String, TpSplit> =
+        dense.param_splits().into_iter().collect();
     let logits_ref = flat(&dense.forward(&x).unwrap());
     let loss = dense.loss(&x, &y).unwrap();
     let loss_ref = loss.to_scalar::<f32>().unwrap();
@@ -94,7 +93,7 @@ fn tensor_parallel_equals_tp1_on_small_cpu() {
             let mut worst = 0.0f64;
             for ((name, got), (dname, dg)) in shard_grads.iter().zip(&dense_grads) {
                 assert_eq!(name, dname);
-                let want = flat(&split_of(name).shard(dg, tp, rank).unwrap());
+                let want = flat(&split[name].shard(dg, tp, rank).unwrap());
                 assert_close(got, &want, 1e-5, 1e-5);
                 worst = worst.max(kiln_testkit::max_rel_diff(got, &want));
             }
@@ -128,7 +127,8 @@ fn train(
         let model = Gpt::tensor_parallel(cfg, &opts, tp_comm.clone())?;
         let mut engine = DataParallel::new(&model.segment_param_lists(), &*groups.dp, dpc)?
             .with_world(world.clone())
-            .with_tensor_parallel(tp_comm.clone(), &model.tp_replicated_parameters());
+            .with_param_splits(&model.param_splits())?
+            .with_tensor_parallel(tp_comm.clone());
         let mut scaler: Box<dyn kiln_precision::LossScaler> = if fp16 {
             Box::new(DynamicLossScaler::new(Default::default())?)
         } else {
@@ -148,6 +148,7 @@ fn train(
         Ok((params, losses))
     });
     // rank r = dp_rank * tp + tp_rank: gather every parameter's tp shards from dp replica 0
+    let split = splits(cfg);
     let mut dense = Vec::new();
     for (i, (name, _)) in outs[0].0.iter().enumerate() {
         let shards: Vec<Tensor> = (0..tp)
@@ -157,7 +158,7 @@ fn train(
                 Tensor::new(v.as_slice(), &Device::Cpu).unwrap()
             })
             .collect();
-        let split = split_of(name);
+        let split = split[name];
         let full = if tp == 1 {
             shards[0].clone()
         } else {
@@ -178,7 +179,7 @@ fn shaped_shards(cfg: &GptConfig, name: &str, shards: &[Tensor], tp: usize) -> V
         .find(|(n, _)| n == name)
         .map(|(_, v)| v.dims().to_vec())
         .unwrap();
-    let local = split_of(name).local_dims(&dims, tp).unwrap();
+    let local = splits(cfg)[name].local_dims(&dims, tp).unwrap();
     shards
         .iter()
         .map(|s| s.reshape(local.as_slice()).unwrap())

@@ -11,7 +11,7 @@ use crate::state::RankState;
 use crate::storage::Storage;
 use kiln_state::Shard;
 use kiln_state::StateDict;
-use kiln_state::{numel, DType, TensorData, Want};
+use kiln_state::{numel, DType, Stateful, TensorData, Want};
 use std::collections::BTreeMap;
 
 /// What each rank of the new layout wants from a checkpoint.
@@ -47,6 +47,17 @@ impl ReshardRequest {
     pub fn tensor(mut self, full_name: &str, want: Want) -> Self {
         self.tensors.insert(full_name.to_string(), want);
         self
+    }
+
+    /// Asks for what `component` needs of its part `part`: each tensor its
+    /// [`Stateful::state_wants`] names, or, when it names none, every tensor of the part whole.
+    pub fn component(self, part: &str, component: &dyn Stateful) -> Self {
+        match component.state_wants() {
+            Some(wants) => wants.into_iter().fold(self, |r, (name, want)| {
+                r.tensor(&format!("{part}/{name}"), want)
+            }),
+            None => self.part(part, Want::Full),
+        }
     }
 
     /// Asks for `want` of every tensor of part `part`.

@@ -6,6 +6,7 @@ use crate::error::{ModelError, Result};
 use crate::init::{Init, Initializer};
 use crate::params::ParamSource;
 use candle_core::{Tensor, Var};
+use kiln_parallel::tp::TpSplit;
 
 /// Which projection of a block a linear layer is; tells a tensor-parallel factory how to split.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -56,6 +57,26 @@ pub struct LinearSpec {
     pub kind: LinearKind,
     /// Initialisation of the `[out_features, in_features]` weight; biases start at zero.
     pub weight_init: Init,
+}
+
+impl LinearSpec {
+    /// How the layer's parameters are split over tensor-parallel ranks (Megatron-LM): the
+    /// fused QKV by heads, fc1 (column-parallel) by output rows, the row-parallel output
+    /// projections' weights by input columns with their biases replicated. The answer does not
+    /// depend on the degree: at tp = 1 it shapes checkpoints (a QKV weight is stored
+    /// `[3, d, in]`), so they reshard to any degree.
+    pub fn param_splits(&self) -> Vec<(String, TpSplit)> {
+        let (w, b) = match self.kind {
+            LinearKind::AttnQkv => (TpSplit::Qkv, TpSplit::Qkv),
+            LinearKind::MlpUp => (TpSplit::Rows, TpSplit::Rows),
+            LinearKind::AttnOut | LinearKind::MlpDown => (TpSplit::Cols, TpSplit::Replicated),
+        };
+        let mut out = vec![(format!("{}.weight", self.name), w)];
+        if self.bias {
+            out.push((format!("{}.bias", self.name), b));
+        }
+        out
+    }
 }
 
 /// A linear layer `y = x W^T + b` over the last dimension.

@@ -8,7 +8,7 @@ use crate::ops;
 use crate::params::ParamSource;
 use crate::tp::TensorParallelFactory;
 use candle_core::{DType, Device, Tensor, Var};
-use kiln_parallel::tp::{self as tpops, TpComm};
+use kiln_parallel::tp::{self as tpops, TpComm, TpSplit};
 
 /// How a [`Gpt`] is built and run, apart from its architecture.
 #[derive(Debug, Clone)]
@@ -117,6 +117,8 @@ struct Block {
     c_fc: Box<dyn LinearLayer>,
     mlp_proj: Box<dyn LinearLayer>,
     head_dim: usize,
+    /// How the factory's layers split their parameters (from their specs).
+    splits: Vec<(String, TpSplit)>,
 }
 
 impl Block {
@@ -142,23 +144,22 @@ impl Block {
             kind,
             weight_init: Init::XavierUniform { gain },
         };
+        let specs = [
+            spec("attn.c_attn", d, 3 * d, LinearKind::AttnQkv, 1.0),
+            spec("attn.c_proj", d, d, LinearKind::AttnOut, residual_gain),
+            spec("mlp.c_fc", d, f, LinearKind::MlpUp, 1.0),
+            spec("mlp.c_proj", f, d, LinearKind::MlpDown, residual_gain),
+        ];
+        let [qkv, out, up, down] = &specs;
         Ok(Self {
             ln_1: Norm::new(init, &format!("h.{i}.ln_1"), d, eps)?,
-            c_attn: factory.linear(
-                init,
-                &spec("attn.c_attn", d, 3 * d, LinearKind::AttnQkv, 1.0),
-            )?,
-            attn_proj: factory.linear(
-                init,
-                &spec("attn.c_proj", d, d, LinearKind::AttnOut, residual_gain),
-            )?,
+            c_attn: factory.linear(init, qkv)?,
+            attn_proj: factory.linear(init, out)?,
             ln_2: Norm::new(init, &format!("h.{i}.ln_2"), d, eps)?,
-            c_fc: factory.linear(init, &spec("mlp.c_fc", d, f, LinearKind::MlpUp, 1.0))?,
-            mlp_proj: factory.linear(
-                init,
-                &spec("mlp.c_proj", f, d, LinearKind::MlpDown, residual_gain),
-            )?,
+            c_fc: factory.linear(init, up)?,
+            mlp_proj: factory.linear(init, down)?,
             head_dim: cfg.head_dim(),
+            splits: specs.iter().flat_map(LinearSpec::param_splits).collect(),
         })
     }
 
@@ -341,22 +342,29 @@ impl Gpt {
             .collect()
     }
 
-    /// Names of the parameters every tensor-parallel rank holds whole (LayerNorms, positions,
-    /// row-parallel biases): their gradients are equal on all tp ranks, so a global gradient
-    /// norm counts them once. Empty without tensor parallelism.
-    pub fn tp_replicated_parameters(&self) -> Vec<String> {
-        if self.tp.is_none() {
-            return Vec::new();
-        }
+    /// Every parameter with how it is split over tensor-parallel ranks: the vocab-parallel
+    /// `wte` by rows, each linear layer as its [`LinearSpec::param_splits`] says, the position
+    /// embedding and the LayerNorms replicated. The same list at every degree (tp = 1
+    /// included), in [`Gpt::named_parameters`] order; data-parallel engines use it to count
+    /// replicated gradients once in the global norm and to lay out checkpoints.
+    pub fn param_splits(&self) -> Vec<(String, TpSplit)> {
+        let linear: std::collections::HashMap<&str, TpSplit> = self
+            .blocks
+            .iter()
+            .flat_map(|b| b.splits.iter().map(|(n, s)| (n.as_str(), *s)))
+            .collect();
         self.named_parameters()
             .into_iter()
-            .map(|(n, _)| n)
-            .filter(|n| {
-                n == "wpe"
-                    || n.contains(".ln_")
-                    || n.starts_with("ln_f")
-                    || n.ends_with("attn.c_proj.bias")
-                    || n.ends_with("mlp.c_proj.bias")
+            .map(|(n, _)| {
+                let split = if n == "wte" {
+                    TpSplit::Rows
+                } else {
+                    linear
+                        .get(n.as_str())
+                        .copied()
+                        .unwrap_or(TpSplit::Replicated)
+                };
+                (n, split)
             })
             .collect()
     }

@@ -25,6 +25,7 @@
 
 use crate::error::{ParallelError, Result};
 use crate::flat::{tensor_into_slice, write_var, FlatLayout, DEFAULT_BUCKET_BYTES};
+use crate::tp::TpSplit;
 use candle_core::{Device, Tensor, Var};
 use crossbeam::channel::{unbounded, Receiver, Sender};
 use kiln_comm::{chunk_range, CommExt, Communicator, ReduceOp};
@@ -290,11 +291,12 @@ pub struct DataParallel {
     comm: Box<dyn Communicator>,
     /// The whole world, for the found-inf flag (defaults to the data-parallel group).
     world: Option<Arc<dyn Communicator>>,
-    /// The tensor-parallel group and, per parameter, whether it is replicated over it.
-    tp: Option<(Arc<dyn Communicator>, Vec<bool>)>,
+    /// The tensor-parallel group, when the model is split over one.
+    tp: Option<Arc<dyn Communicator>>,
+    /// Per parameter (layout order), how it is split over tensor-parallel ranks.
+    splits: Vec<TpSplit>,
     worker: Worker,
     device: Device,
-    steps: u64,
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -304,7 +306,7 @@ impl std::fmt::Debug for DataParallel {
             .field("dp_rank", &self.dp_rank)
             .field("dp_size", &self.dp_size)
             .field("units", &self.layout.units().len())
-            .field("steps", &self.steps)
+            .field("steps", &self.steps())
             .finish()
     }
 }
@@ -406,9 +408,9 @@ impl DataParallel {
             comm,
             world: None,
             tp: None,
+            splits: vec![TpSplit::Replicated; layout.params().len()],
             worker: Worker::start(worker_comm)?,
             device,
-            steps: 0,
             layout,
         };
         if matches!(stage, Stage::Zero1 | Stage::Zero2) {
@@ -438,23 +440,55 @@ impl DataParallel {
         self
     }
 
-    /// Declares that the model is also split over the tensor-parallel group `tp`, and which
-    /// parameters every tp rank holds whole (their gradients are equal on all tp ranks). The
-    /// global gradient norm then sums the split parameters over `tp` and counts the replicated
-    /// ones once, so clipping equals the unsplit model's.
-    pub fn with_tensor_parallel(
-        mut self,
-        tp: Arc<dyn Communicator>,
-        replicated: &[String],
-    ) -> Self {
-        let flags = self
-            .layout
-            .params()
-            .iter()
-            .map(|p| replicated.contains(&p.name))
-            .collect();
-        self.tp = Some((tp, flags));
+    /// Declares how each parameter is split over tensor-parallel ranks (the model's list, for
+    /// example `kiln_model::Gpt::param_splits`); parameters it does not name are replicated.
+    /// It decides which gradients the global norm counts once, and how checkpoints store each
+    /// parameter (its whole shape and this rank's slice), so give it at tp = 1 too: the
+    /// checkpoint then reshards to any degree. A name the engine does not hold is an error.
+    pub fn with_param_splits(mut self, splits: &[(String, TpSplit)]) -> Result<Self> {
+        for (name, split) in splits {
+            let i = self
+                .layout
+                .index(name)
+                .ok_or_else(|| ParallelError::Param {
+                    name: name.clone(),
+                    expected: "a parameter of the engine".into(),
+                    got: "an unknown name in the split list".into(),
+                })?;
+            self.splits[i] = *split;
+        }
+        Ok(self)
+    }
+
+    /// Declares that the model is also split over the tensor-parallel group `tp` (see
+    /// [`DataParallel::with_param_splits`] for which parameters). The global gradient norm then
+    /// sums the split parameters over `tp` and counts the replicated ones once, so clipping
+    /// equals the unsplit model's.
+    pub fn with_tensor_parallel(mut self, tp: Arc<dyn Communicator>) -> Self {
+        self.tp = Some(tp);
         self
+    }
+
+    /// How each parameter (layout order) is split over tensor-parallel ranks.
+    pub fn param_splits(&self) -> &[TpSplit] {
+        &self.splits
+    }
+
+    /// `(degree, rank)` of the tensor-parallel group (`(1, 0)` without one).
+    pub fn tp_dims(&self) -> (usize, usize) {
+        self.tp
+            .as_ref()
+            .map_or((1, 0), |t| (t.world_size(), t.rank()))
+    }
+
+    /// `(degree, rank)` of the data-parallel group.
+    pub fn dp_dims(&self) -> (usize, usize) {
+        (self.dp_size, self.dp_rank)
+    }
+
+    /// The data-parallel communicator of the main thread (gathers for checkpoints).
+    pub(crate) fn dp_comm(&self) -> &dyn Communicator {
+        &*self.comm
     }
 
     /// The configuration.
@@ -469,7 +503,9 @@ impl DataParallel {
 
     /// Optimizer steps taken (skipped steps not counted).
     pub fn steps(&self) -> u64 {
-        self.steps
+        // one counter: the optimizers' (every unit's optimizer steps together), which a
+        // restored checkpoint sets
+        self.optim.first().map_or(0, |o| o.step_count())
     }
 
     /// Sets the learning-rate and other AdamW options (takes effect at the next step).
@@ -738,7 +774,6 @@ impl DataParallel {
         if self.cfg.stage != Stage::Zero3 {
             self.gather_into_vars()?;
         }
-        self.steps += 1;
         Ok((
             StepReport {
                 loss,
@@ -772,14 +807,15 @@ impl DataParallel {
                     continue;
                 }
                 let part = &owned[lo - c.start..hi - c.start];
-                match &self.tp {
-                    Some((_, flags)) if flags[p] => replicated.add(part),
-                    _ => split.add(part),
+                if self.tp.is_some() && self.splits[p] == TpSplit::Replicated {
+                    replicated.add(part);
+                } else {
+                    split.add(part);
                 }
             }
         }
         split.all_reduce(&*self.comm)?;
-        if let Some((tp, _)) = &self.tp {
+        if let Some(tp) = &self.tp {
             split.all_reduce(&**tp)?;
             replicated.all_reduce(&*self.comm)?;
             split.merge(&replicated);

@@ -2,6 +2,7 @@
 
 use crate::dict::{StateDict, TensorSpec};
 use crate::error::Result;
+use crate::want::Want;
 use std::collections::BTreeMap;
 
 /// A component whose state a checkpoint saves and restores: model parameters, optimizer
@@ -22,6 +23,14 @@ pub trait Stateful {
     /// components override it with a cheap description.
     fn state_spec(&self) -> Result<BTreeMap<String, TensorSpec>> {
         Ok(self.state()?.spec())
+    }
+
+    /// Which slice of each saved global tensor this component needs when it loads a
+    /// checkpoint written under another layout (another data-parallel degree, ZeRO stage or
+    /// tensor-parallel degree), by tensor name. `None` (the default): every tensor as this
+    /// rank saved it.
+    fn state_wants(&self) -> Option<BTreeMap<String, Want>> {
+        None
     }
 }
 

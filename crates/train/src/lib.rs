@@ -59,9 +59,9 @@ pub use config::{
 };
 pub use data::{decode_sample_id, encode_sample_id, micro_batches, prepare_sources, DataSources};
 pub use error::{Result, TrainError};
-pub use model::{gpt_config_hash, gpt_tp_split, ModelContext, TrainModel};
+pub use model::{gpt_config_hash, ModelContext, TrainModel};
 pub use run::{run_threads, run_threads_with, run_with, RankContext};
-pub use state::{ShardPlan, TrainerProgress};
+pub use state::TrainerProgress;
 pub use trainer::{
     ModelFn, Outputs, RollbackRecord, StepHook, TrainSummary, Trainer, TrainerBuilder,
     HANG_EXIT_CODE,

@@ -21,19 +21,13 @@ pub trait TrainModel: SegmentedModel {
     /// two segments is a tied parameter. The input of [`kiln_parallel::DataParallel::new`].
     fn segment_param_lists(&self) -> Vec<Vec<(String, Var)>>;
 
-    /// Names of the parameters every tensor-parallel rank holds whole (their gradients are
-    /// equal on all tp ranks, so the global gradient norm counts them once).
-    fn tp_replicated_parameters(&self) -> Vec<String> {
+    /// How each parameter is split over the tensor-parallel group (unnamed ones are
+    /// replicated), for [`kiln_parallel::DataParallel::with_param_splits`]: replicated
+    /// gradients count once in the global norm, and checkpoints store each parameter with the
+    /// whole tensor's shape and each rank's slice, so they load at another tp degree. The
+    /// answer must not depend on the degree, and holds at `tp = 1` too.
+    fn param_splits(&self) -> Vec<(String, TpSplit)> {
         Vec::new()
-    }
-
-    /// How parameter `name` is split over the tensor-parallel group. Checkpoints store each
-    /// parameter with the whole tensor's shape (derived from this split) and each rank's slice
-    /// of it, so they load at another tp degree: the answer must not depend on the degree, and
-    /// holds at `tp = 1` too (where it only shapes the checkpoint).
-    fn tp_split(&self, name: &str) -> TpSplit {
-        let _ = name;
-        TpSplit::Replicated
     }
 
     /// A hash of the architecture: checkpoints of another architecture are refused. It must
@@ -44,21 +38,6 @@ pub trait TrainModel: SegmentedModel {
     fn flops_per_token(&self, seq_len: usize) -> Option<f64> {
         let _ = seq_len;
         None
-    }
-}
-
-/// How the tied GPT parameters are split over tensor-parallel ranks (Megatron-LM): the
-/// vocab-parallel embedding and fc1 by rows, the fused QKV by heads, the output projections'
-/// weights by columns, everything else replicated.
-pub fn gpt_tp_split(name: &str) -> TpSplit {
-    if name == "wte" || name.ends_with("mlp.c_fc.weight") || name.ends_with("mlp.c_fc.bias") {
-        TpSplit::Rows
-    } else if name.contains("attn.c_attn.") {
-        TpSplit::Qkv
-    } else if name.ends_with("attn.c_proj.weight") || name.ends_with("mlp.c_proj.weight") {
-        TpSplit::Cols
-    } else {
-        TpSplit::Replicated
     }
 }
 
@@ -75,12 +54,8 @@ impl TrainModel for Gpt {
         Gpt::segment_param_lists(self)
     }
 
-    fn tp_replicated_parameters(&self) -> Vec<String> {
-        Gpt::tp_replicated_parameters(self)
-    }
-
-    fn tp_split(&self, name: &str) -> TpSplit {
-        gpt_tp_split(name)
+    fn param_splits(&self) -> Vec<(String, TpSplit)> {
+        Gpt::param_splits(self)
     }
 
     fn config_hash(&self) -> String {
@@ -146,11 +121,19 @@ mod tests {
         let n = (2 * (12 * 128 * 128 + 13 * 128) + 2 * 128) as f64;
         let want = 6.0 * n + 12.0 * 2.0 * 128.0 * 32.0 + 6.0 * 512.0 * 128.0;
         assert_eq!(m.flops_per_token(32), Some(want));
-        assert_eq!(m.tp_split("h.0.attn.c_attn.weight"), TpSplit::Qkv);
-        assert_eq!(gpt_tp_split("h.0.attn.c_attn.bias"), TpSplit::Qkv);
-        assert_eq!(gpt_tp_split("h.1.mlp.c_proj.weight"), TpSplit::Cols);
-        assert_eq!(gpt_tp_split("h.1.mlp.c_proj.bias"), TpSplit::Replicated);
-        assert_eq!(gpt_tp_split("wte"), TpSplit::Rows);
+        // Megatron's splits, from the layer specs: QKV by heads, fc1 by rows, the output
+        // projections' weights by columns with replicated biases, the vocab-parallel wte
+        let splits: std::collections::HashMap<String, TpSplit> =
+            TrainModel::param_splits(&m).into_iter().collect();
+        assert_eq!(splits.len(), m.named_parameters().len());
+        assert_eq!(splits["h.0.attn.c_attn.weight"], TpSplit::Qkv);
+        assert_eq!(splits["h.0.attn.c_attn.bias"], TpSplit::Qkv);
+        assert_eq!(splits["h.1.mlp.c_fc.bias"], TpSplit::Rows);
+        assert_eq!(splits["h.1.mlp.c_proj.weight"], TpSplit::Cols);
+        assert_eq!(splits["h.1.mlp.c_proj.bias"], TpSplit::Replicated);
+        assert_eq!(splits["h.1.ln_2.weight"], TpSplit::Replicated);
+        assert_eq!(splits["wpe"], TpSplit::Replicated);
+        assert_eq!(splits["wte"], TpSplit::Rows);
         let h = TrainModel::config_hash(&m);
         assert_eq!(h, gpt_config_hash(&GptConfig::tiny()));
         assert_ne!(h, gpt_config_hash(&GptConfig::small_cpu()));

@@ -6,7 +6,7 @@ use crate::data::{
 };
 use crate::error::{Result, TrainError};
 use crate::model::{ModelContext, TrainModel};
-use crate::state::{AdamMoments, DetectorInput, MasterWeights, ShardPlan, TrainerProgress};
+use crate::state::{DetectorInput, TrainerProgress};
 use candle_core::{Tensor, Var};
 use kiln_ckpt::{
     CheckpointConfig, Checkpointer, Latest, Layout, LoadOptions, Loaded, LocalFs, RankState,
@@ -22,6 +22,7 @@ use kiln_monitor::{
     ScalerEvent, StepMetrics, TensorBoardSink, Verdict, Watchdog,
 };
 use kiln_optim::LrSchedule;
+use kiln_parallel::ShardPlan;
 use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage, StepPreview};
 use kiln_precision::{ComputeDType, DynamicLossScaler, LossScaler, NoScaler, ScaleEvent};
 use std::path::PathBuf;
@@ -267,18 +268,13 @@ impl<M: TrainModel> TrainerBuilder<M> {
             adamw: cfg.optim.adamw(),
             checkpoint: cfg.train.checkpoint_policy()?,
         };
-        let mut engine =
-            DataParallel::new(&model.segment_param_lists(), &*dp, dpc)?.with_world(world.clone());
+        let mut engine = DataParallel::new(&model.segment_param_lists(), &*dp, dpc)?
+            .with_world(world.clone())
+            .with_param_splits(&model.param_splits())?;
         if p.tp > 1 {
-            engine = engine.with_tensor_parallel(tp.clone(), &model.tp_replicated_parameters());
+            engine = engine.with_tensor_parallel(tp.clone());
         }
-        let plan = ShardPlan::new(
-            engine.layout(),
-            stage,
-            (p.dp, dp.rank()),
-            (p.tp, tp.rank()),
-            |n| model.tp_split(n),
-        )?;
+        let plan = engine.shard_plan()?;
 
         // data
         let sources = match self.data {
@@ -753,7 +749,10 @@ impl<M: TrainModel> Trainer<M> {
     /// The reshard request of this rank's layout.
     fn request(&self) -> Result<kiln_ckpt::ReshardRequest> {
         let p = &self.cfg.parallel;
-        Ok(self.plan.reshard_request(Layout::new(p.dp, p.tp, p.zero)?))
+        Ok(
+            kiln_ckpt::ReshardRequest::new(Layout::new(p.dp, p.tp, p.zero)?)
+                .component("engine", &self.engine),
+        )
     }
 
     /// Loads the checkpoint `resume_step` or the latest good one, when the configuration asks.
@@ -853,16 +852,7 @@ impl<M: TrainModel> Trainer<M> {
     /// makes the loader skip every sample the breaker has skipped.
     fn restore(&mut self, mut st: RankState, with_breaker: bool) -> Result<()> {
         let strict = LoadOptions::default();
-        st.restore(
-            "model",
-            &mut MasterWeights::new(&mut self.engine, &self.plan, &*self.dp),
-            strict,
-        )?;
-        st.restore(
-            "optim",
-            &mut AdamMoments::new(&mut self.engine, &self.plan, &*self.dp),
-            strict,
-        )?;
+        st.restore("engine", &mut self.engine, strict)?;
         st.restore("scaler", &mut self.scaler, strict)?;
         st.restore("loader", &mut self.loader, strict)?;
         st.restore("trainer", &mut self.progress, strict)?;
@@ -890,14 +880,7 @@ impl<M: TrainModel> Trainer<M> {
     /// when `tp > 1`).
     pub fn capture_state(&mut self) -> Result<RankState> {
         let mut st = RankState::new();
-        st.capture(
-            "model",
-            &MasterWeights::new(&mut self.engine, &self.plan, &*self.dp),
-        )?;
-        st.capture(
-            "optim",
-            &AdamMoments::new(&mut self.engine, &self.plan, &*self.dp),
-        )?;
+        st.capture("engine", &self.engine)?;
         st.capture("scaler", &self.scaler)?;
         st.capture("loader", &self.loader)?;
         if let Some(b) = self.breaker.as_mut() {
@@ -1391,7 +1374,11 @@ impl<M: TrainModel> Trainer<M> {
         for (name, values) in local {
             let mut all = vec![0.0f32; values.len() * tp];
             self.tp.all_gather(&values, &mut all)?;
-            let split = self.model.tp_split(&name);
+            let split = layout
+                .index(&name)
+                .map_or(kiln_parallel::tp::TpSplit::Replicated, |i| {
+                    self.engine.param_splits()[i]
+                });
             if split == kiln_parallel::tp::TpSplit::Replicated {
                 out.push((name, values));
                 continue;
