@@ -23,14 +23,14 @@
 #![deny(missing_docs)]
 
 mod dims;
+mod engine;
 mod error;
 mod flat;
-mod sharded;
 mod state;
 pub mod tp;
 
 pub use dims::{Groups, ParallelDims};
+pub use engine::{DataParallel, DataParallelConfig, Stage, StepPreview, StepReport};
 pub use error::{ParallelError, Result};
 pub use flat::{tensor_into_slice, write_var, FlatLayout, ParamSlot, Unit, DEFAULT_BUCKET_BYTES};
-pub use sharded::{DataParallel, DataParallelConfig, Stage, StepPreview, StepReport};
 pub use state::{checkpoint_geometry, PlannedParam, ShardPlan};

@@ -22,9 +22,9 @@
 //! [`DataParallel`] as a [`Stateful`]: tensors `param/<name>`, `exp_avg/<name>`,
 //! `exp_avg_sq/<name>`; metadata `step` (optimizer steps) and `adamw` (its configuration).
 
+use crate::engine::{DataParallel, Stage};
 use crate::error::{ParallelError, Result};
 use crate::flat::FlatLayout;
-use crate::sharded::{DataParallel, Stage};
 use crate::tp::TpSplit;
 use kiln_comm::{chunk_range, CommExt, Communicator};
 use kiln_optim::Optimizer;

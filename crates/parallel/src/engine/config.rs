@@ -1,0 +1,120 @@
+//! The engine's configuration and what a step reports: [`Stage`], [`DataParallelConfig`],
+//! [`StepReport`], [`StepPreview`].
+
+use crate::error::{ParallelError, Result};
+use crate::flat::DEFAULT_BUCKET_BYTES;
+use kiln_memory::CheckpointPolicy;
+use kiln_optim::AdamWConfig;
+use kiln_precision::ScaleEvent;
+
+/// How model states are split over the data-parallel group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// Plain data parallel: everything replicated.
+    Replicated,
+    /// ZeRO-1: optimizer states and fp32 master weights sharded.
+    Zero1,
+    /// ZeRO-2: also gradients.
+    Zero2,
+    /// ZeRO-3: also parameters.
+    Zero3,
+}
+
+impl Stage {
+    /// The ZeRO stage number (0 for replicated).
+    pub fn number(self) -> u8 {
+        match self {
+            Stage::Replicated => 0,
+            Stage::Zero1 => 1,
+            Stage::Zero2 => 2,
+            Stage::Zero3 => 3,
+        }
+    }
+
+    /// The stage with this number.
+    pub fn from_number(n: u8) -> Result<Self> {
+        match n {
+            0 => Ok(Stage::Replicated),
+            1 => Ok(Stage::Zero1),
+            2 => Ok(Stage::Zero2),
+            3 => Ok(Stage::Zero3),
+            _ => Err(ParallelError::Config(format!(
+                "zero stage must be 0, 1, 2 or 3, got {n}"
+            ))),
+        }
+    }
+
+    pub(super) fn shards_grads(self) -> bool {
+        matches!(self, Stage::Zero2 | Stage::Zero3)
+    }
+}
+
+/// Options of [`DataParallel`](super::DataParallel).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DataParallelConfig {
+    /// The sharding stage.
+    pub stage: Stage,
+    /// Bucket size in bytes (f32 elements x 4).
+    pub bucket_bytes: usize,
+    /// Communicate on a background thread while the backward continues (on by default).
+    pub overlap: bool,
+    /// Clip gradients to this global L2 norm.
+    pub max_grad_norm: Option<f32>,
+    /// The optimizer.
+    pub adamw: AdamWConfig,
+    /// Activation checkpointing.
+    pub checkpoint: CheckpointPolicy,
+}
+
+impl Default for DataParallelConfig {
+    fn default() -> Self {
+        Self {
+            stage: Stage::Replicated,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+            overlap: true,
+            max_grad_norm: None,
+            adamw: AdamWConfig::default(),
+            checkpoint: CheckpointPolicy::None,
+        }
+    }
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the micro-batches and the data-parallel group (unscaled).
+    pub loss: f32,
+    /// Global gradient L2 norm before clipping (unscaled); `None` when the step was skipped.
+    pub grad_norm: Option<f64>,
+    /// Whether clipping scaled the gradients.
+    pub clipped: bool,
+    /// What the loss scaler did; [`ScaleEvent::skipped_step`] tells a skipped step.
+    pub scale_event: ScaleEvent,
+    /// The loss scale used for this step.
+    pub loss_scale: f32,
+    /// Seconds spent in forward and backward (including overlapped communication).
+    pub compute_s: f64,
+    /// Seconds waiting for communication after the backward finished.
+    pub comm_wait_s: f64,
+    /// Seconds in unscale, clipping, optimizer and parameter gathering.
+    pub optim_s: f64,
+}
+
+/// What a step computed before applying its update, handed to the gate of
+/// [`DataParallel::step_gated`](super::DataParallel::step_gated). The values are the same on every rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepPreview {
+    /// Mean loss over the micro-batches and the data-parallel group (unscaled).
+    pub loss: f32,
+    /// Global gradient L2 norm before clipping (unscaled).
+    pub grad_norm: f64,
+    /// The loss scale used for this step.
+    pub loss_scale: f32,
+    /// What the loss scaler did (a clean step: stepped or grew).
+    pub scale_event: ScaleEvent,
+    /// Seconds spent in forward and backward so far.
+    pub compute_s: f64,
+    /// Seconds spent waiting for communication after the backward so far.
+    pub comm_wait_s: f64,
+}
