@@ -36,25 +36,27 @@
 
 mod peers;
 mod raw;
+mod runtime;
+mod wait;
 
 use crate::check::{as_seen_by, check_calls, split_members, Call};
 use crate::communicator::{chunk_range, Communicator, Descriptor, OpKind};
 use crate::elem::{reduce_bytes, Buf, BufMut, DType, ReduceOp};
 use crate::error::{CommError, Result};
 use crate::wire::WIRE_WORDS;
-use peers::{host_hash, Peers};
-use raw::{CommHandle, Request};
+use peers::Peers;
+use raw::CommHandle;
+use runtime::runtime;
+pub use runtime::Mpi;
 use std::ffi::c_int;
-use std::marker::PhantomData;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
+use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
+use wait::Waiter;
 
 /// The tag of the agreement messages (data moves in collectives, which never match them).
 const CALL_TAG: i32 = 0x6b6c;
-/// How often a waiting rank looks at its peers' processes.
-const LIVENESS_TICK: Duration = Duration::from_millis(50);
 
 /// Options of an [`MpiComm`] (inherited by the communicators split from it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,169 +96,6 @@ impl MpiCommConfig {
     }
 }
 
-#[derive(Debug)]
-struct Runtime {
-    /// An [`Mpi`] handle exists.
-    live: bool,
-    /// `MPI_Finalize` ran (or was skipped for good): no MPI call may follow.
-    finalized: bool,
-    /// A communicator failed with operations in flight.
-    broken: bool,
-}
-
-static RUNTIME: Mutex<Runtime> = Mutex::new(Runtime {
-    live: false,
-    finalized: false,
-    broken: false,
-});
-
-fn runtime() -> MutexGuard<'static, Runtime> {
-    RUNTIME.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The MPI library of this process: initialised with `MPI_THREAD_MULTIPLE` by [`Mpi::init`],
-/// finalised when dropped. Keep it on the main thread for the life of the run (it is not
-/// `Send`, as MPI wants `MPI_Finalize` on the thread that initialised it) and create the world
-/// communicator with [`Mpi::world`].
-///
-/// ```no_run
-/// use kiln_comm::{CommExt, Communicator, Mpi, MpiCommConfig, ReduceOp};
-/// // run under `mpirun -np 4 ./app`
-/// let mpi = Mpi::init()?;
-/// let world = mpi.world(MpiCommConfig::default())?;
-/// let mut v = [world.rank() as f32];
-/// world.all_reduce(&mut v, ReduceOp::Sum)?;
-/// assert_eq!(v[0], 6.0);
-/// # Ok::<(), kiln_comm::CommError>(())
-/// ```
-#[derive(Debug)]
-pub struct Mpi {
-    /// kiln called `MPI_Init_thread` (and so calls `MPI_Finalize`).
-    owns: bool,
-    _main_thread: PhantomData<*const ()>,
-}
-
-impl Mpi {
-    /// Initialises MPI with `MPI_THREAD_MULTIPLE` (the data-parallel communication thread and
-    /// the async checkpoint writer call collectives from their own threads), or adopts an MPI
-    /// the application initialised, if it provides that level.
-    pub fn init() -> Result<Mpi> {
-        let mut rt = runtime();
-        if rt.live {
-            return Err(CommError::Config(
-                "MPI is already initialised by kiln in this process: use the existing Mpi".into(),
-            ));
-        }
-        let (initialized, finalized) = raw::state()?;
-        if finalized || rt.finalized {
-            return Err(CommError::Config(
-                "MPI was finalised in this process and cannot be initialised again".into(),
-            ));
-        }
-        let owns = !initialized;
-        let multiple = if owns {
-            raw::init_thread_multiple()?
-        } else {
-            raw::thread_multiple()?
-        };
-        if !multiple {
-            if owns {
-                raw::finalize()?;
-                rt.finalized = true;
-            }
-            return Err(raw::err(
-                "MPI_Init_thread",
-                "the MPI library does not provide MPI_THREAD_MULTIPLE, which kiln needs (the \
-                 communication thread and the checkpoint writer call MPI concurrently); use an \
-                 MPI built with thread support (Open MPI 4+ is)",
-            ));
-        }
-        rt.live = true;
-        Ok(Mpi {
-            owns,
-            _main_thread: PhantomData,
-        })
-    }
-
-    /// A communicator over every process of the job (a duplicate of `MPI_COMM_WORLD`, so kiln's
-    /// traffic never matches the application's). Collective: every process must call it.
-    pub fn world(&self, config: MpiCommConfig) -> Result<MpiComm> {
-        let start = Instant::now();
-        let world = CommHandle::world();
-        world.errors_return()?;
-        let (rank, size) = world.rank_and_size()?;
-        // the duplicate's handle is written when the request completes: keep it on the heap,
-        // leaked if the request never does
-        let out = Box::into_raw(Box::new(raw::null_comm()));
-        // SAFETY: `out` is a live heap allocation, freed below only after completion.
-        let mut reqs = [unsafe { world.idup(out)? }];
-        let waiter = Waiter::new(OpKind::Split, rank, config.timeout, start);
-        if let Err(e) = waiter.wait(&mut reqs, &[]) {
-            runtime().broken = true;
-            return Err(e);
-        }
-        // SAFETY: the request completed, so MPI wrote the handle; the box is ours again.
-        let dup = CommHandle::adopt(*unsafe { Box::from_raw(out) });
-        dup.errors_return()?;
-
-        // where every rank runs, for the liveness watch
-        let name = raw::processor_name()?;
-        let mine = vec![host_hash(&name), u64::from(std::process::id())];
-        let mut all = vec![0u64; 2 * size];
-        // SAFETY: both buffers are heap allocations leaked on failure (below) and read only
-        // after completion; `all` holds 16 bytes per rank.
-        let mut reqs =
-            [unsafe { dup.iallgather(mine.as_ptr().cast(), 16, all.as_mut_ptr().cast::<u8>())? }];
-        if let Err(e) = waiter.wait(&mut reqs, &[]) {
-            std::mem::forget(mine);
-            std::mem::forget(all);
-            runtime().broken = true;
-            return Err(e);
-        }
-        let ids: Vec<(u64, u32)> = all
-            .chunks_exact(2)
-            .map(|w| (w[0], u32::try_from(w[1]).unwrap_or(0)))
-            .collect();
-        Ok(MpiComm {
-            handle: dup,
-            rank,
-            size,
-            world_ranks: (0..size).collect(),
-            peers: Arc::new(Peers::new(rank, &ids)),
-            config,
-            seq: AtomicU64::new(0),
-            last: Mutex::new(None),
-            state: Mutex::new(State::default()),
-        })
-    }
-}
-
-impl Mpi {
-    /// Drops the runtime without `MPI_Finalize`, for a rank that is failing: finalising waits
-    /// for every other rank (which may be stuck in a collective with this one until their
-    /// timeout), while exiting without it makes the launcher end the whole job at once.
-    pub fn abandon(self) {
-        runtime().broken = true;
-    }
-}
-
-impl Drop for Mpi {
-    fn drop(&mut self) {
-        let mut rt = runtime();
-        rt.live = false;
-        if rt.finalized {
-            return;
-        }
-        rt.finalized = true;
-        // After a failed collective a peer may be dead: MPI_Finalize could wait for it forever.
-        // Leave MPI as it is; the process exits and the launcher ends the job.
-        if self.owns && !rt.broken {
-            // nothing to report to: a failing finalize is the launcher's to see
-            let _ = raw::finalize();
-        }
-    }
-}
-
 /// Buffers MPI reads and writes during a collective; heap memory owned by the communicator.
 #[derive(Debug, Default)]
 struct Staging {
@@ -279,7 +118,7 @@ fn bytes(v: &mut Vec<u64>, nbytes: usize) -> &mut [u8] {
 }
 
 #[derive(Debug, Default)]
-struct State {
+pub(super) struct State {
     stage: Staging,
     /// The failure that left operations in flight; every later call returns it.
     broken: Option<CommError>,
@@ -292,16 +131,16 @@ struct State {
 /// (split it) for concurrent work, as kiln's data-parallel engine and checkpoint writer do.
 #[derive(Debug)]
 pub struct MpiComm {
-    handle: CommHandle,
-    rank: usize,
-    size: usize,
+    pub(super) handle: CommHandle,
+    pub(super) rank: usize,
+    pub(super) size: usize,
     /// Group rank to world rank.
-    world_ranks: Vec<usize>,
-    peers: Arc<Peers>,
-    config: MpiCommConfig,
-    seq: AtomicU64,
-    last: Mutex<Option<Descriptor>>,
-    state: Mutex<State>,
+    pub(super) world_ranks: Vec<usize>,
+    pub(super) peers: Arc<Peers>,
+    pub(super) config: MpiCommConfig,
+    pub(super) seq: AtomicU64,
+    pub(super) last: Mutex<Option<Descriptor>>,
+    pub(super) state: Mutex<State>,
 }
 
 impl Drop for MpiComm {
@@ -310,81 +149,6 @@ impl Drop for MpiComm {
         if !broken && !runtime().finalized {
             // a failing free leaves a handle behind, which MPI_Finalize cleans up
             let _ = self.handle.free();
-        }
-    }
-}
-
-/// Polls requests to a deadline.
-struct Waiter<'a> {
-    op: OpKind,
-    rank: usize,
-    timeout: Duration,
-    start: Instant,
-    /// The group's world ranks and the liveness watch, once the world is known.
-    watch: Option<(&'a [usize], &'a Peers)>,
-}
-
-impl<'a> Waiter<'a> {
-    fn new(op: OpKind, rank: usize, timeout: Duration, start: Instant) -> Self {
-        Waiter {
-            op,
-            rank,
-            timeout,
-            start,
-            watch: None,
-        }
-    }
-
-    /// Waits for every request; `from[k]` names the group rank request `k` receives from (for
-    /// the ranks a timeout reports missing). On error the requests are abandoned in flight.
-    fn wait(&self, reqs: &mut [Request], from: &[Option<usize>]) -> Result<()> {
-        let begun = Instant::now();
-        let mut last_look = begun;
-        let mut spins = 0u32;
-        loop {
-            if raw::test_all(reqs)? {
-                return Ok(());
-            }
-            let waited = self.start.elapsed();
-            if waited >= self.timeout {
-                let mut missing = Vec::new();
-                for (req, src) in reqs.iter_mut().zip(from) {
-                    if let Some(r) = src {
-                        if !raw::test(req)? {
-                            missing.push(*r);
-                        }
-                    }
-                }
-                return Err(CommError::Timeout {
-                    op: self.op,
-                    rank: self.rank,
-                    waited,
-                    missing,
-                });
-            }
-            if last_look.elapsed() >= LIVENESS_TICK {
-                last_look = Instant::now();
-                if let Some((world_ranks, peers)) = self.watch {
-                    if let Some(gone) = (0..world_ranks.len())
-                        .find(|&r| r != self.rank && !peers.alive(world_ranks[r]))
-                    {
-                        return Err(CommError::RankGone {
-                            op: self.op,
-                            rank: self.rank,
-                            gone,
-                            waited,
-                        });
-                    }
-                }
-            }
-            spins += 1;
-            if spins < 200 {
-                std::hint::spin_loop();
-            } else if begun.elapsed() < Duration::from_millis(10) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(100));
-            }
         }
     }
 }
