@@ -65,6 +65,7 @@ mod aggregate;
 mod breaker;
 mod console;
 mod detect;
+mod detector_set;
 mod error;
 mod event;
 mod jsonfloat;
@@ -83,9 +84,9 @@ pub use breaker::{
 };
 pub use console::ConsoleSink;
 pub use detect::{
-    Detector, DetectorSet, Metric, NonFiniteDetector, SpikeConfig, SpikeDetector,
-    StragglerDetector, Verdict,
+    Detector, Metric, NonFiniteDetector, SpikeConfig, SpikeDetector, StragglerDetector, Verdict,
 };
+pub use detector_set::{DetectorInput, DetectorSet, DEFAULT_DETECTOR_HISTORY};
 pub use error::{MonitorError, Result};
 pub use event::{Event, EventKind};
 pub use jsonl::{read_jsonl, JsonlLine, JsonlSink};

@@ -499,3 +499,47 @@ fn engine_state_round_trips_bitwise_under_zero() {
         }
     }
 }
+
+#[test]
+fn backward_then_apply_equals_step_and_discard_changes_nothing() {
+    let outs = run_ranks(2, |comm: ThreadComm| {
+        let per = BATCH / 2;
+        let lo = comm.rank() * per;
+        let mut scaler = NoScaler;
+        let mut a = DataParallel::new(&params(), &comm, cfg(Stage::Zero2))?;
+        let mut b = DataParallel::new(&params(), &comm, cfg(Stage::Zero2))?;
+        for s in 0..3 {
+            let mb = [batch(s, lo, lo + per)];
+            let r = a.step(&Toy, &mb, LR, &mut scaler)?;
+            // a user loop: look at the preview, then apply
+            let p = b.backward(&Toy, &mb, &mut scaler)?;
+            assert_eq!((p.loss, p.grad_norm), (r.loss, r.grad_norm));
+            assert!(!p.found_inf);
+            b.apply(LR)?;
+        }
+        let before = flat(&b.full_params()?);
+        b.backward(&Toy, &[batch(7, lo, lo + per)], &mut scaler)?;
+        // a second backward before apply or discard is refused, and so is a lone apply later
+        let twice = b
+            .backward(&Toy, &[batch(7, lo, lo + per)], &mut scaler)
+            .unwrap_err()
+            .to_string();
+        b.discard()?;
+        let lone = b.apply(LR).unwrap_err().to_string();
+        Ok((
+            flat(&a.full_params()?),
+            flat(&b.full_params()?),
+            before,
+            twice,
+            lone,
+            b.steps(),
+        ))
+    });
+    for (a, b, before, twice, lone, steps) in outs {
+        kiln_testkit::assert_bitwise_eq(&a, &b);
+        kiln_testkit::assert_bitwise_eq(&b, &before);
+        assert!(twice.contains("backward called again"), "{twice}");
+        assert!(lone.contains("apply called without a backward"), "{lone}");
+        assert_eq!(steps, 3, "a discarded step does not count");
+    }
+}

@@ -92,7 +92,7 @@ fn main() -> Result<()> {
             let mut events = Vec::new();
             let (r, applied) = engine.step_gated(&model, &[(x, y)], lr, &mut scaler, &mut |p| {
                 let mut m = StepMetrics::new(step);
-                (m.loss, m.grad_norm) = (Some(p.loss as f64), Some(p.grad_norm));
+                (m.loss, m.grad_norm) = (Some(p.loss as f64), p.grad_norm);
                 let decision = breaker.decide(step, &detectors.observe(&m), &BatchInfo::default());
                 events = decision.events;
                 decision.action.applies_update()

@@ -560,7 +560,9 @@ impl MonitorSection {
             )
             .map_err(named)
         };
+        // remember enough records to rebuild every window on resume
         let mut set = DetectorSet::new()
+            .with_history(2 * self.spike_window + 16)
             .with(NonFiniteDetector::default())
             .with(spike(Metric::Loss, self.loss_min_rel_jump)?)
             .with(spike(Metric::GradNorm, self.grad_min_rel_jump)?);

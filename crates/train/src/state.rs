@@ -6,7 +6,8 @@
 //! | `scaler` | the loss scaler itself | its `ScalerState` |
 //! | `loader` | the `DataLoader` itself | its [`kiln_data::LoaderState`] (JSON), skip set included |
 //! | `breaker` | the [`kiln_monitor::CircuitBreaker`] itself | its state, skipped sample windows included |
-//! | `trainer` | [`TrainerProgress`] | step counters, the detectors' recent inputs, the run hash |
+//! | `detectors` | the [`kiln_monitor::DetectorSet`] itself | the recent records its windows replay |
+//! | `trainer` | [`TrainerProgress`] | step counters and the run hash |
 //! | `rng` | [`kiln_ckpt::RngState`] | the seed (every random draw is keyed by it) |
 //!
 //! The `engine` part is kiln-parallel's [`kiln_parallel::DataParallel`] itself: every
@@ -15,45 +16,7 @@
 //! component's own [`Stateful`] implementation; this module only adds the trainer's counters.
 
 use kiln_ckpt::{StateDict, Stateful};
-use kiln_monitor::{ScalerEvent, StepMetrics};
 use serde::{Deserialize, Serialize};
-
-/// What the detectors saw of one step; replayed into fresh detectors on resume so their
-/// rolling windows continue exactly.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DetectorInput {
-    /// The step.
-    pub step: u64,
-    /// Its loss.
-    pub loss: Option<f64>,
-    /// Its gradient norm.
-    pub grad_norm: Option<f64>,
-    /// What the loss scaler did.
-    pub scaler_event: Option<ScalerEvent>,
-}
-
-impl DetectorInput {
-    /// The record of `m` the detectors need.
-    pub fn of(m: &StepMetrics) -> Self {
-        DetectorInput {
-            step: m.step,
-            loss: m.loss,
-            grad_norm: m.grad_norm,
-            scaler_event: m.scaler_event,
-        }
-    }
-
-    /// Back to a step record.
-    pub fn to_metrics(&self) -> StepMetrics {
-        StepMetrics {
-            step: self.step,
-            loss: self.loss,
-            grad_norm: self.grad_norm,
-            scaler_event: self.scaler_event,
-            ..StepMetrics::default()
-        }
-    }
-}
 
 /// The trainer's own counters, as the `trainer` part (metadata `progress`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -70,8 +33,6 @@ pub struct TrainerProgress {
     pub samples_seen: u64,
     /// [`crate::RunConfig::trajectory_hash`] of the run that saved it.
     pub run_hash: String,
-    /// The detectors' recent inputs, oldest first.
-    pub detector_log: Vec<DetectorInput>,
 }
 
 impl Stateful for TrainerProgress {

@@ -6,7 +6,7 @@ use crate::data::{
 };
 use crate::error::{Result, TrainError};
 use crate::model::{ModelContext, TrainModel};
-use crate::state::{DetectorInput, TrainerProgress};
+use crate::state::TrainerProgress;
 use candle_core::{Tensor, Var};
 use kiln_ckpt::{
     CheckpointConfig, Checkpointer, Latest, Layout, LoadOptions, Loaded, LocalFs, RankState,
@@ -18,12 +18,12 @@ use kiln_memory::{ModelShape, SegmentParams};
 use kiln_model::Gpt;
 use kiln_monitor::{
     Action, BatchInfo, BreakerPolicy, CircuitBreaker, ConsoleSink, Decision, DetectorSet, Event,
-    EventKind, JsonlSink, Metric, MetricSink, Mfu, MultiSink, PlotSink, RankStats, RankSummary,
-    ScalerEvent, StepMetrics, TensorBoardSink, Verdict, Watchdog,
+    EventKind, JsonlSink, MetricSink, Mfu, MultiSink, PlotSink, RankStats, RankSummary,
+    ScalerEvent, StepMetrics, TensorBoardSink, Watchdog,
 };
 use kiln_optim::LrSchedule;
 use kiln_parallel::ShardPlan;
-use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage, StepPreview};
+use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage};
 use kiln_precision::{ComputeDType, DynamicLossScaler, LossScaler, NoScaler, ScaleEvent};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -569,8 +569,6 @@ fn observe(
     world: &dyn Communicator,
     detectors: &mut DetectorSet,
     breaker: &mut CircuitBreaker,
-    log: &mut Vec<DetectorInput>,
-    log_cap: usize,
     o: &Observation<'_>,
 ) -> Result<Decision> {
     let summary = RankSummary::gather(
@@ -592,23 +590,6 @@ fn observe(
     m.loss_scale = Some(o.loss_scale as f64);
     m.scaler_event = Some(scaler_event(o.event));
     let verdicts = detectors.observe(&m);
-    let spike = |metric: Metric| {
-        verdicts
-            .iter()
-            .any(|v| matches!(v, Verdict::Spike { metric: x, .. } if *x == metric))
-    };
-    let mut input = DetectorInput::of(&m);
-    if spike(Metric::Loss) {
-        input.loss = None;
-    }
-    if spike(Metric::GradNorm) {
-        input.grad_norm = None;
-    }
-    log.push(input);
-    if log.len() > log_cap {
-        let extra = log.len() - log_cap;
-        log.drain(..extra);
-    }
     Ok(breaker.decide(
         o.step,
         &verdicts,
@@ -663,10 +644,6 @@ impl<M: TrainModel> Trainer<M> {
     /// The parallel layout.
     pub fn dims(&self) -> ParallelDims {
         self.dims
-    }
-
-    fn log_cap(&self) -> usize {
-        2 * self.cfg.monitor.spike_window + 16
     }
 
     fn header(&self) -> Event {
@@ -824,11 +801,6 @@ impl<M: TrainModel> Trainer<M> {
                 reason: format!("its trainer state says step {}", self.progress.step),
             });
         }
-        if let Some(d) = self.detectors.as_mut() {
-            for input in &self.progress.detector_log {
-                d.observe(&input.to_metrics());
-            }
-        }
         self.last_ckpt = Some(step);
         self.resumed_from = Some(step);
         let mut msg = format!(
@@ -848,8 +820,9 @@ impl<M: TrainModel> Trainer<M> {
         Ok(())
     }
 
-    /// Restores every part of a loaded checkpoint (the breaker only when `with_breaker`) and
-    /// makes the loader skip every sample the breaker has skipped.
+    /// Restores every part of a loaded checkpoint (the breaker and the detectors only when
+    /// `with_breaker`: a rollback keeps their memory of what went wrong) and makes the loader
+    /// skip every sample the breaker has skipped.
     fn restore(&mut self, mut st: RankState, with_breaker: bool) -> Result<()> {
         let strict = LoadOptions::default();
         st.restore("engine", &mut self.engine, strict)?;
@@ -860,6 +833,9 @@ impl<M: TrainModel> Trainer<M> {
         if with_breaker {
             if let (Some(b), true) = (self.breaker.as_mut(), st.part("breaker").is_some()) {
                 st.restore("breaker", b, strict)?;
+            }
+            if let (Some(d), true) = (self.detectors.as_mut(), st.part("detectors").is_some()) {
+                st.restore("detectors", d, strict)?;
             }
         }
         if let Some(b) = &self.breaker {
@@ -883,8 +859,11 @@ impl<M: TrainModel> Trainer<M> {
         st.capture("engine", &self.engine)?;
         st.capture("scaler", &self.scaler)?;
         st.capture("loader", &self.loader)?;
-        if let Some(b) = self.breaker.as_mut() {
+        if let Some(b) = self.breaker.as_ref() {
             st.capture("breaker", b)?;
+        }
+        if let Some(d) = self.detectors.as_ref() {
+            st.capture("detectors", d)?;
         }
         st.capture("trainer", &self.progress)?;
         st.capture("rng", &self.rng)?;
@@ -1089,70 +1068,42 @@ impl<M: TrainModel> Trainer<M> {
         };
         let before: Vec<Vec<f32>> = self.engine.master().to_vec();
 
-        let log_cap = self.log_cap();
         let last_ckpt = self.last_ckpt;
-        let mut decision: Option<Decision> = None;
-        let mut gate_error: Option<TrainError> = None;
-        let (report, applied) = {
-            let world = &*self.world;
-            let log = &mut self.progress.detector_log;
-            let mut monitors = self.detectors.as_mut().zip(self.breaker.as_mut());
-            let mut gate = |pv: &StepPreview| -> bool {
-                let Some((d, b)) = monitors.as_mut() else {
-                    return true;
-                };
+        // the open engine: backward, let the detectors and the breaker judge the step, then
+        // apply or discard its update
+        let preview = self
+            .engine
+            .backward(&self.model, &micro, &mut *self.scaler)?;
+        let decision = match (self.detectors.as_mut(), self.breaker.as_mut()) {
+            (Some(d), Some(b)) => {
                 let o = Observation {
                     step,
-                    loss: pv.loss,
-                    grad_norm: Some(pv.grad_norm),
+                    loss: preview.loss,
+                    grad_norm: preview.grad_norm,
                     lr,
-                    loss_scale: pv.loss_scale,
-                    event: pv.scale_event,
+                    loss_scale: preview.loss_scale,
+                    event: preview.scale_event,
                     elapsed_s: t0.elapsed().as_secs_f64(),
                     ids: &ids,
                     last_ckpt,
                 };
-                match observe(world, d, b, log, log_cap, &o) {
-                    Ok(dec) => {
-                        let apply = dec.action.applies_update();
-                        decision = Some(dec);
-                        apply
-                    }
+                match observe(&*self.world, d, b, &o) {
+                    Ok(dec) => Some(dec),
                     Err(e) => {
-                        gate_error = Some(e);
-                        false
+                        self.engine.discard()?;
+                        return Err(e);
                     }
                 }
-            };
-            self.engine
-                .step_gated(&self.model, &micro, lr, &mut *self.scaler, &mut gate)?
-        };
-        if let Some(e) = gate_error {
-            return Err(e);
-        }
-        if decision.is_none() {
-            if let (Some(d), Some(b)) = (self.detectors.as_mut(), self.breaker.as_mut()) {
-                let o = Observation {
-                    step,
-                    loss: report.loss,
-                    grad_norm: report.grad_norm,
-                    lr,
-                    loss_scale: report.loss_scale,
-                    event: report.scale_event,
-                    elapsed_s: t0.elapsed().as_secs_f64(),
-                    ids: &ids,
-                    last_ckpt,
-                };
-                decision = Some(observe(
-                    &*self.world,
-                    d,
-                    b,
-                    &mut self.progress.detector_log,
-                    log_cap,
-                    &o,
-                )?);
             }
-        }
+            _ => None,
+        };
+        let apply =
+            !preview.found_inf && decision.as_ref().is_none_or(|d| d.action.applies_update());
+        let (report, applied) = if apply {
+            (self.engine.apply(lr)?, true)
+        } else {
+            (self.engine.discard()?, false)
+        };
 
         // the record
         let (param_norm, ratio) = self.norms(&before)?;

@@ -101,17 +101,22 @@ pub struct StepReport {
     pub optim_s: f64,
 }
 
-/// What a step computed before applying its update, handed to the gate of
-/// [`DataParallel::step_gated`](super::DataParallel::step_gated). The values are the same on every rank.
+/// What [`DataParallel::backward`](super::DataParallel::backward) computed, before the update
+/// is applied or discarded (the gate of
+/// [`DataParallel::step_gated`](super::DataParallel::step_gated) sees it). The values are the
+/// same on every rank.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepPreview {
     /// Mean loss over the micro-batches and the data-parallel group (unscaled).
     pub loss: f32,
-    /// Global gradient L2 norm before clipping (unscaled).
-    pub grad_norm: f64,
+    /// Global gradient L2 norm before clipping (unscaled); `None` when the gradients hold
+    /// inf or NaN.
+    pub grad_norm: Option<f64>,
+    /// Some gradient on some rank was inf or NaN: the step cannot be applied.
+    pub found_inf: bool,
     /// The loss scale used for this step.
     pub loss_scale: f32,
-    /// What the loss scaler did (a clean step: stepped or grew).
+    /// What the loss scaler did.
     pub scale_event: ScaleEvent,
     /// Seconds spent in forward and backward so far.
     pub compute_s: f64,

@@ -42,6 +42,9 @@ pub struct DataParallel {
     splits: Vec<TpSplit>,
     worker: Worker,
     device: Device,
+    /// The preview of a backward not yet applied or discarded, and when its optimizer phase
+    /// began.
+    pending: Option<(StepPreview, Instant)>,
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -157,6 +160,7 @@ impl DataParallel {
             worker: Worker::start(worker_comm)?,
             device,
             layout,
+            pending: None,
         };
         if matches!(stage, Stage::Zero1 | Stage::Zero2) {
             dp_engine.gather_into_vars()?;
@@ -364,6 +368,32 @@ impl DataParallel {
         scaler: &mut dyn LossScaler,
         gate: &mut dyn FnMut(&StepPreview) -> bool,
     ) -> Result<(StepReport, bool)> {
+        let preview = self.backward(model, micro_batches, scaler)?;
+        if !preview.found_inf && gate(&preview) {
+            Ok((self.apply(lr)?, true))
+        } else {
+            Ok((self.discard()?, false))
+        }
+    }
+
+    /// The first half of a step: forward and backward over `micro_batches` (gradients
+    /// accumulated, reduced over the data-parallel group as the backward goes), then unscaled,
+    /// checked for inf/NaN (agreed over the world), the loss averaged, the loss scaler updated
+    /// and the global gradient norm computed. Nothing is updated yet: follow with
+    /// [`DataParallel::apply`] (clip and step the optimizer) or [`DataParallel::discard`],
+    /// as PyTorch's `loss.backward()` is followed by `clip_grad_norm_` and `optimizer.step()`,
+    /// or not. Every rank gets the same preview.
+    pub fn backward<M: SegmentedModel + ?Sized>(
+        &mut self,
+        model: &M,
+        micro_batches: &[(Tensor, Tensor)],
+        scaler: &mut dyn LossScaler,
+    ) -> Result<StepPreview> {
+        if self.pending.is_some() {
+            return Err(ParallelError::Config(
+                "backward called again before apply or discard of the previous one".into(),
+            ));
+        }
         if micro_batches.is_empty() {
             return Err(ParallelError::Config(
                 "a step needs at least one micro-batch".into(),
@@ -451,60 +481,43 @@ impl DataParallel {
         let loss_local = loss_sum / accum as f64;
         let loss = self.comm.all_reduce_scalar(loss_local, ReduceOp::Avg)? as f32;
         let scale_event = scaler.update(found_inf)?;
-        if found_inf {
-            return Ok((
-                StepReport {
-                    loss,
-                    grad_norm: None,
-                    clipped: false,
-                    scale_event,
-                    loss_scale: scale,
-                    compute_s,
-                    comm_wait_s: comm_wait.as_secs_f64(),
-                    optim_s: t_opt.elapsed().as_secs_f64(),
-                },
-                false,
-            ));
-        }
-        let norm = self.global_norm()?;
+        let grad_norm = if found_inf {
+            None
+        } else {
+            Some(self.global_norm()?)
+        };
         let preview = StepPreview {
             loss,
-            grad_norm: norm,
+            grad_norm,
+            found_inf,
             loss_scale: scale,
             scale_event,
             compute_s,
             comm_wait_s: comm_wait.as_secs_f64(),
         };
-        if !gate(&preview) {
-            return Ok((
-                StepReport {
-                    loss,
-                    grad_norm: Some(norm),
-                    clipped: false,
-                    scale_event,
-                    loss_scale: scale,
-                    compute_s,
-                    comm_wait_s: comm_wait.as_secs_f64(),
-                    optim_s: t_opt.elapsed().as_secs_f64(),
-                },
-                false,
-            ));
-        }
+        self.pending = Some((preview, t_opt));
+        Ok(preview)
+    }
+
+    /// The second half of a step after [`DataParallel::backward`]: clips the gradients to
+    /// the configured global norm (kiln-optim's [`kiln_optim::clip_to_norm`], PyTorch's
+    /// `clip_grad_norm_`), steps every shard's optimizer at learning rate `lr` and gathers
+    /// the updated parameters into the model. A step that overflowed is not applied (as
+    /// `GradScaler.step` skips it); the report says so through its scale event.
+    pub fn apply(&mut self, lr: f32) -> Result<StepReport> {
+        let (preview, t_opt) = self.take_pending("apply")?;
+        let Some(norm) = preview.grad_norm.filter(|_| !preview.found_inf) else {
+            return Ok(report(&preview, false, t_opt));
+        };
         let mut clipped = false;
         if let Some(max_norm) = self.cfg.max_grad_norm {
-            if norm.is_finite() && norm > max_norm as f64 {
-                let coef = (max_norm as f64 / (norm + 1e-6)) as f32;
-                clipped = true;
-                for u in 0..self.layout.units().len() {
-                    let g: &mut [f32] = if self.cfg.stage.shards_grads() {
-                        &mut self.grad_shards[u]
-                    } else {
-                        &mut self.grads[u]
-                    };
-                    for x in g.iter_mut() {
-                        *x *= coef;
-                    }
-                }
+            for u in 0..self.layout.units().len() {
+                let g: &mut [f32] = if self.cfg.stage.shards_grads() {
+                    &mut self.grad_shards[u]
+                } else {
+                    &mut self.grads[u]
+                };
+                clipped |= kiln_optim::clip_to_norm(g, norm, max_norm)?.clipped;
             }
         }
         for u in 0..self.layout.units().len() {
@@ -519,19 +532,20 @@ impl DataParallel {
         if self.cfg.stage != Stage::Zero3 {
             self.gather_into_vars()?;
         }
-        Ok((
-            StepReport {
-                loss,
-                grad_norm: Some(norm),
-                clipped,
-                scale_event,
-                loss_scale: scale,
-                compute_s,
-                comm_wait_s: comm_wait.as_secs_f64(),
-                optim_s: t_opt.elapsed().as_secs_f64(),
-            },
-            true,
-        ))
+        Ok(report(&preview, clipped, t_opt))
+    }
+
+    /// Drops the gradients of the last [`DataParallel::backward`] without updating anything
+    /// (a batch a circuit breaker skips); the loss scaler has already seen the step.
+    pub fn discard(&mut self) -> Result<StepReport> {
+        let (preview, t_opt) = self.take_pending("discard")?;
+        Ok(report(&preview, false, t_opt))
+    }
+
+    fn take_pending(&mut self, what: &str) -> Result<(StepPreview, Instant)> {
+        self.pending.take().ok_or_else(|| {
+            ParallelError::Config(format!("{what} called without a backward before it"))
+        })
     }
 
     /// The global L2 norm of the gradients from each rank's chunks (the square sums are exact,
@@ -622,5 +636,19 @@ impl DataParallel {
             self.gather_into_vars()?;
         }
         Ok(())
+    }
+}
+
+/// The report of a step from its preview.
+fn report(p: &StepPreview, clipped: bool, t_opt: Instant) -> StepReport {
+    StepReport {
+        loss: p.loss,
+        grad_norm: p.grad_norm,
+        clipped,
+        scale_event: p.scale_event,
+        loss_scale: p.loss_scale,
+        compute_s: p.compute_s,
+        comm_wait_s: p.comm_wait_s,
+        optim_s: t_opt.elapsed().as_secs_f64(),
     }
 }
