@@ -191,6 +191,15 @@ impl RankState {
         })
     }
 
+    /// The state of every named component: [`RankState::capture`] of each.
+    pub fn capture_all(parts: &[(&str, &dyn Stateful)]) -> Result<RankState> {
+        let mut st = RankState::new();
+        for (name, part) in parts {
+            st.capture(name, *part)?;
+        }
+        Ok(st)
+    }
+
     /// Restores every target from the part of its name (see [`RankState::restore`]). Strict:
     /// a part no target asks for is [`CkptError::UnexpectedKeys`] (with an empty `part`), a
     /// part the state lacks is [`CkptError::MissingPart`]. Non-strict: missing parts are

@@ -1,139 +1,149 @@
-//! A training loop written by hand from kiln's crates, without kiln-train's `Trainer`: the
-//! trainer is a convenience, not a cage. Two thread ranks train the `tiny` GPT data-parallel
-//! with ZeRO-1, fp16 compute and dynamic loss scaling, activation checkpointing, warmup +
-//! cosine and clipping; spike detectors judge each step before its update (this loop skips a
-//! spiking batch instead of rolling back); rank 0 logs to the console and a JSONL file; the
-//! run ends with a sharded checkpoint.
-//!
-//! Run: `cargo run --release -p kiln-train --example custom_loop`
+//! A training loop written by hand from kiln's crates, without kiln-train's `Trainer`: `tiny`
+//! GPT, data parallel with ZeRO, fp16 with loss scaling, activation checkpointing, a schedule,
+//! clipping, detectors and a breaker between backward and update, sinks, and checkpoints of
+//! every component that resume bitwise and reshard. Walk-through: `docs/custom-trainer.md`.
+//! Run: `cargo run --release -p kiln-train --example custom_loop -- --dp 2 --zero 2` (and
+//! `--steps N`, `--every K`, `--out DIR`, `--resume`, `--f32`, `--eps X`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use kiln_ckpt::{
-    CheckpointConfig, Checkpointer, Layout, LocalFs, RankState, Shard, StateDict, Step, TensorData,
-};
-use kiln_comm::Communicator;
-use kiln_data::{
-    default_cache_dir, prepare_corpus, DataLoader, LoaderConfig, PrepareConfig, Verify,
-};
+use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState};
+use kiln_ckpt::{ReshardRequest, Stateful, Step};
+use kiln_comm::{Communicator, ThreadComm};
+use kiln_data::{default_cache_dir, prepare_corpus, DataLoader, LoaderConfig, PrepareConfig};
 use kiln_memory::CheckpointPolicy;
 use kiln_model::{Gpt, GptConfig, GptOptions};
-use kiln_monitor::{
-    BatchInfo, BreakerPolicy, CircuitBreaker, ConsoleSink, DetectorSet, JsonlSink, MetricSink,
-    MultiSink, Response, StepMetrics,
-};
-use kiln_optim::{LrSchedule, Optimizer, WarmupDecay};
+use kiln_monitor::{BatchInfo, BreakerPolicy, CircuitBreaker, ConsoleSink, DetectorSet};
+use kiln_monitor::{JsonlSink, MetricSink, MultiSink, Response, StepMetrics};
+use kiln_optim::{LrSchedule, WarmupDecay};
 use kiln_parallel::{DataParallel, DataParallelConfig, Stage};
-use kiln_precision::DynamicLossScaler;
+use kiln_precision::{DynamicLossScaler, LossScaler, NoScaler};
 use std::sync::Arc;
-use std::time::Instant;
 
-const STEPS: u64 = 60;
-const DP: usize = 2;
-const BATCH: usize = 4; // sequences per rank and step
+const GLOBAL_BATCH: usize = 8; // sequences per step, over all ranks
 const CTX: usize = 64;
 
-fn main() -> Result<()> {
-    // the tokenizer (512 ids, as the tiny model) and token shards, built once under the cache
-    let corpus = prepare_corpus(&PrepareConfig {
-        corpora: vec!["shakespeare".into()],
-        vocab_size: 512,
-        tokenizer_sample_bytes: 1 << 20,
-        ..PrepareConfig::new("data", default_cache_dir().join("custom_loop"))
-    })?;
-    let out_dir = std::path::PathBuf::from("runs/custom_loop");
-    std::fs::create_dir_all(&out_dir)?;
-    let cfg = GptConfig::tiny();
-    let losses = kiln_comm::spawn(DP, |comm| -> Result<(f32, f32)> {
-        // data parallel only: the world is the data-parallel group (see ParallelDims for dp x tp)
-        let world: Arc<dyn Communicator> = Arc::new(comm);
-        let rank = world.rank();
+/// The value after `--name` on the command line, or `default`.
+fn flag<T: std::str::FromStr>(name: &str, default: T) -> Result<T, T::Err> {
+    let args: Vec<String> = std::env::args().collect();
+    match args.iter().position(|a| a == name) {
+        Some(i) => args.get(i + 1).map_or(Ok(default), |v| v.parse()),
+        None => Ok(default),
+    }
+}
 
-        let model = Gpt::new(&cfg, &GptOptions::seeded(1).with_compute_dtype(DType::F16))?;
-        let dpc = DataParallelConfig {
-            stage: Stage::Zero1,
+fn main() -> Result<()> {
+    let (dp, zero, steps): (usize, u8, u64) =
+        (flag("--dp", 2)?, flag("--zero", 2)?, flag("--steps", 30)?);
+    let (every, eps): (u64, f64) = (flag("--every", 10)?, flag("--eps", 1e-8)?);
+    let out: std::path::PathBuf = flag("--out", "runs/custom_loop".into())?;
+    let has = |f: &str| std::env::args().any(|a| a == f);
+    let (resume, f32) = (has("--resume"), has("--f32"));
+    // the tokenizer (512 ids, as the tiny model) and token shards, built once under the cache
+    let mut pc = PrepareConfig::new("data", default_cache_dir().join("custom_loop"));
+    (pc.corpora, pc.vocab_size) = (vec!["shakespeare".into()], 512);
+    let corpus = prepare_corpus(&pc)?;
+    let train = |comm: ThreadComm| -> Result<(u64, f32)> {
+        let world: Arc<dyn Communicator> = Arc::new(comm);
+        let dtype = if f32 { DType::F32 } else { DType::F16 };
+        let opts = GptOptions::seeded(1).with_compute_dtype(dtype);
+        let model = Gpt::new(&GptConfig::tiny(), &opts)?;
+        let mut dpc = DataParallelConfig {
+            stage: Stage::from_number(zero)?,
             max_grad_norm: Some(1.0),
             checkpoint: CheckpointPolicy::EveryBlock,
             ..DataParallelConfig::default()
         };
-        let mut engine = DataParallel::new(&model.segment_param_lists(), &*world, dpc)?;
-        let mut scaler = DynamicLossScaler::new(Default::default())?;
-        let schedule = WarmupDecay::cosine(3e-3, 3e-4, 10, STEPS)?;
-        let lc = LoaderConfig {
-            dp: DP,
-            rank,
-            seed: 7,
-            ..LoaderConfig::new(CTX, BATCH)
-        };
-        let mut loader = DataLoader::new(corpus.train_sources(Verify::Full)?, None, lc)?;
-
-        // every rank judges every step the same way (the loss and gradient norm are global)
+        dpc.adamw.eps = eps;
+        let mut engine = DataParallel::new(&model.segment_param_lists(), &*world, dpc)?
+            .with_param_splits(&model.param_splits())?;
+        let mut scaler: Box<dyn LossScaler> = Box::new(DynamicLossScaler::default());
+        if f32 {
+            scaler = Box::new(NoScaler); // f32 needs no loss scaling
+        }
+        let mut schedule = WarmupDecay::cosine(3e-3, 3e-4, 5, steps)?;
+        let per = GLOBAL_BATCH / dp;
+        let mut lc = LoaderConfig::new(CTX, per);
+        (lc.dp, lc.rank, lc.seed) = (dp, world.rank(), 7);
+        let mut loader = DataLoader::new(corpus.train_sources(kiln_data::Verify::Full)?, None, lc)?;
         let mut detectors = DetectorSet::standard();
-        let on_loss_spike = Response::SkipBatch;
-        let mut breaker = CircuitBreaker::new(BreakerPolicy {
-            on_loss_spike,
+        let policy = BreakerPolicy {
+            on_loss_spike: Response::SkipBatch,
             ..Default::default()
-        })?;
-        let mut sink = MultiSink::new(); // rank 0 logs, the others keep it empty
-        if rank == 0 {
-            sink.push(Box::new(ConsoleSink::new(Some(STEPS), 10)));
-            sink.push(Box::new(JsonlSink::create(out_dir.join("metrics.jsonl"))?));
-        }
+        };
+        let mut breaker = CircuitBreaker::new(policy)?;
+        let mut step = Step(0);
 
-        let mut losses = Vec::new();
-        for step in 1..=STEPS {
-            let t0 = Instant::now();
-            let batch = loader.next_batch()?;
-            let x = Tensor::from_slice(&batch.inputs, (BATCH, CTX), &Device::Cpu)?;
-            let y = Tensor::from_slice(&batch.targets, (BATCH, CTX), &Device::Cpu)?;
-            // the schedule follows optimizer steps: a skipped step does not advance it
-            let lr = schedule.lr(engine.optimizers()[0].step_count());
-            let mut events = Vec::new();
-            let (r, applied) = engine.step_gated(&model, &[(x, y)], lr, &mut scaler, &mut |p| {
-                let mut m = StepMetrics::new(step);
-                (m.loss, m.grad_norm) = (Some(p.loss as f64), p.grad_norm);
-                let decision = breaker.decide(step, &detectors.observe(&m), &BatchInfo::default());
-                events = decision.events;
-                decision.action.applies_update()
-            })?;
-            let mut m = StepMetrics::new(step);
-            (m.loss, m.grad_norm, m.lr) = (Some(r.loss as f64), r.grad_norm, Some(lr as f64));
-            m.loss_scale = Some(r.loss_scale as f64);
-            m.skipped_steps = Some(u64::from(!applied));
-            let secs = t0.elapsed().as_secs_f64();
-            m.set_throughput((DP * BATCH * CTX) as u64, (DP * BATCH) as u64, secs);
-            sink.record(&m)?;
-            sink.events(&events)?;
-            losses.push(r.loss);
-        }
-
-        // a checkpoint: each rank's ZeRO chunk of every flat unit, as a flat shard of the unit
-        let mut weights = StateDict::new();
-        for (u, chunk) in engine.master().iter().enumerate() {
-            let len = engine.layout().units()[u].len;
-            let (shard, data) = (
-                Shard::flat_chunk(&[len], DP, rank)?,
-                TensorData::from_vec1(chunk),
-            );
-            weights.insert_sharded(&format!("unit{u:03}"), data, shard)?;
-        }
-        let mut state = RankState::new();
-        state.insert("model", weights)?;
-        state.capture("step", &Step(STEPS))?;
-        let storage = Arc::new(LocalFs::new(out_dir.join("checkpoints"))?);
-        let layout = Layout::new(DP, 1, 1)?;
+        // every component saves and restores itself; the engine asks for the slices of each
+        // parameter it needs, so a checkpoint of another dp or ZeRO stage loads too
+        let layout = Layout::new(dp, 1, zero)?;
+        let storage = Arc::new(LocalFs::new(out.join("checkpoints"))?);
         let mut ckpt = Checkpointer::new(storage, CheckpointConfig::new(layout, "gpt-tiny"))?;
-        ckpt.save(&*world, STEPS, &state)?;
+        if resume {
+            let req = ReshardRequest::new(layout).component("engine", &engine);
+            if let Some(l) = ckpt.load_latest_resharded(&*world, &req)?.loaded {
+                l.state.restore_all(
+                    &mut [
+                        ("engine", &mut engine),
+                        ("scaler", &mut scaler),
+                        ("loader", &mut loader),
+                        ("detectors", &mut detectors),
+                        ("breaker", &mut breaker),
+                        ("schedule", &mut schedule),
+                        ("step", &mut step),
+                    ],
+                    LoadOptions::default(),
+                )?;
+            }
+        }
+        let (first, mut loss) = (step.0, f32::NAN);
+        let mut sink = MultiSink::new(); // rank 0 logs, the others keep it empty
+        if world.rank() == 0 {
+            sink.push(Box::new(ConsoleSink::new(Some(steps), 10)));
+            sink.push(Box::new(JsonlSink::append(out.join("metrics.jsonl"))?));
+        }
+        while step.0 < steps {
+            let b = loader.next_batch()?;
+            let x = Tensor::from_slice(&b.inputs, (per, CTX), &Device::Cpu)?;
+            let y = Tensor::from_slice(&b.targets, (per, CTX), &Device::Cpu)?;
+            let lr = schedule.lr(engine.steps()); // a skipped step does not advance it
+            let p = engine.backward(&model, &[(x, y)], &mut *scaler)?;
+            step.0 += 1;
+            let mut m = StepMetrics::new(step.0);
+            (m.loss, m.grad_norm, m.lr) = (Some(p.loss as f64), p.grad_norm, Some(lr as f64));
+            // every rank judges alike (loss and norm are global), before the update
+            let d = breaker.decide(step.0, &detectors.observe(&m), &BatchInfo::default());
+            let applied = !p.found_inf && d.action.applies_update();
+            loss = if applied {
+                engine.apply(lr)?
+            } else {
+                engine.discard()?
+            }
+            .loss;
+            (m.loss_scale, m.skipped_steps) =
+                (Some(p.loss_scale as f64), Some(u64::from(!applied)));
+            sink.record(&m)?;
+            sink.events(&d.events)?;
+            if step.0 % every == 0 || step.0 == steps {
+                let st = RankState::capture_all(&[
+                    ("engine", &engine as &dyn Stateful),
+                    ("scaler", &scaler),
+                    ("loader", &loader),
+                    ("detectors", &detectors),
+                    ("breaker", &breaker),
+                    ("schedule", &schedule),
+                    ("step", &step),
+                ])?;
+                ckpt.save(&*world, step.0, &st)?;
+            }
+        }
         sink.close()?;
-        Ok((losses[0], losses[losses.len() - 1]))
-    })
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
-
-    let (first, last) = losses[0];
-    println!("custom loop: loss {first:.3} -> {last:.3} in {STEPS} steps on {DP} ranks");
-    println!("  metrics     {}", out_dir.join("metrics.jsonl").display());
-    println!("  checkpoint  {}", out_dir.join("checkpoints").display());
-    anyhow::ensure!(last < first, "the loss did not decrease");
+        Ok((first, loss))
+    };
+    let outs = kiln_comm::spawn(dp, train).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (from, loss) = outs[0];
+    println!("custom loop: steps {from}..{steps} on {dp} ranks, ZeRO-{zero}, final loss {loss:.4}");
+    println!("  outputs in {}", out.display());
     Ok(())
 }
