@@ -63,6 +63,10 @@ pub struct DataParallelConfig {
     pub max_grad_norm: Option<f32>,
     /// The optimizer.
     pub adamw: AdamWConfig,
+    /// Also report the global parameter norm and the update-to-parameter norm ratio of every
+    /// applied step ([`StepReport::param_norm`], [`StepReport::update_ratio`]): computed
+    /// inside the update, unit by unit, at the cost of two collectives (off by default).
+    pub update_norms: bool,
     /// Activation checkpointing.
     pub checkpoint: CheckpointPolicy,
 }
@@ -75,6 +79,7 @@ impl Default for DataParallelConfig {
             overlap: true,
             max_grad_norm: None,
             adamw: AdamWConfig::default(),
+            update_norms: false,
             checkpoint: CheckpointPolicy::None,
         }
     }
@@ -99,6 +104,11 @@ pub struct StepReport {
     pub comm_wait_s: f64,
     /// Seconds in unscale, clipping, optimizer and parameter gathering.
     pub optim_s: f64,
+    /// Global L2 norm of the parameters after the update (with
+    /// [`DataParallelConfig::update_norms`], applied steps only).
+    pub param_norm: Option<f64>,
+    /// Global L2 norm of the update divided by [`StepReport::param_norm`].
+    pub update_ratio: Option<f64>,
 }
 
 /// What [`DataParallel::backward`](super::DataParallel::backward) computed, before the update

@@ -45,6 +45,8 @@ pub struct DataParallel {
     /// The preview of a backward not yet applied or discarded, and when its optimizer phase
     /// began.
     pending: Option<(StepPreview, Instant)>,
+    /// A reused buffer (the master chunk before an update, for update norms).
+    scratch: Vec<f32>,
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -161,6 +163,7 @@ impl DataParallel {
             device,
             layout,
             pending: None,
+            scratch: Vec::new(),
         };
         if matches!(stage, Stage::Zero1 | Stage::Zero2) {
             dp_engine.gather_into_vars()?;
@@ -520,6 +523,14 @@ impl DataParallel {
                 clipped |= kiln_optim::clip_to_norm(g, norm, max_norm)?.clipped;
             }
         }
+        // with update norms, each unit's chunk before its step, in one reused buffer
+        let counted = if self.cfg.update_norms {
+            Some(self.counted_ranges()?)
+        } else {
+            None
+        };
+        let (mut params, mut delta) = (kiln_optim::SquareSum::new(), kiln_optim::SquareSum::new());
+        let mut old = std::mem::take(&mut self.scratch);
         for u in 0..self.layout.units().len() {
             let c = chunk_range(self.layout.units()[u].len, self.dp_size, self.dp_rank);
             let grads: &[f32] = match self.cfg.stage {
@@ -527,12 +538,36 @@ impl DataParallel {
                 Stage::Zero1 => &self.grads[u][c],
                 Stage::Zero2 | Stage::Zero3 => &self.grad_shards[u],
             };
+            if counted.is_some() {
+                old.clear();
+                old.extend_from_slice(&self.master[u]);
+            }
             self.optim[u].step(&mut self.master[u], grads, lr)?;
+            if let Some(ranges) = &counted {
+                for r in ranges[u].iter().cloned() {
+                    let now = &self.master[u][r.clone()];
+                    params.add(now);
+                    // the update, in place of the old values
+                    let upd = &mut old[r];
+                    upd.iter_mut().zip(now).for_each(|(o, n)| *o = n - *o);
+                    delta.add(upd);
+                }
+            }
         }
+        self.scratch = old;
         if self.cfg.stage != Stage::Zero3 {
             self.gather_into_vars()?;
         }
-        Ok(report(&preview, clipped, t_opt))
+        let mut rep = report(&preview, clipped, t_opt);
+        if counted.is_some() {
+            let world: &dyn Communicator = self.world.as_deref().unwrap_or(&*self.comm);
+            params.all_reduce(world)?;
+            delta.all_reduce(world)?;
+            let pn = params.norm();
+            rep.param_norm = Some(pn);
+            rep.update_ratio = Some(if pn > 0.0 { delta.norm() / pn } else { 0.0 });
+        }
+        Ok(rep)
     }
 
     /// Drops the gradients of the last [`DataParallel::backward`] without updating anything
@@ -540,6 +575,29 @@ impl DataParallel {
     pub fn discard(&mut self) -> Result<StepReport> {
         let (preview, t_opt) = self.take_pending("discard")?;
         Ok(report(&preview, false, t_opt))
+    }
+
+    /// Per unit, the ranges of this rank's master chunk that the global parameter and update
+    /// norms count, each element of the model once over the world: the elements this rank
+    /// saves in a checkpoint (its chunk of each unit, even when it holds the whole unit), and
+    /// a parameter replicated over tensor-parallel ranks only on tp rank 0.
+    fn counted_ranges(&self) -> Result<Vec<Vec<std::ops::Range<usize>>>> {
+        let plan = self.shard_plan()?;
+        let skip_replicated = self.tp_dims().1 != 0;
+        let mut out = vec![Vec::new(); self.layout.units().len()];
+        for p in plan.params() {
+            if p.save.is_empty() || (skip_replicated && p.region.is_none()) {
+                continue;
+            }
+            let unit_start = if self.cfg.stage == Stage::Replicated {
+                0
+            } else {
+                chunk_range(self.layout.units()[p.unit].len, self.dp_size, self.dp_rank).start
+            };
+            let base = p.offset + p.save.start - unit_start;
+            out[p.unit].push(base..base + p.save.len());
+        }
+        Ok(out)
     }
 
     fn take_pending(&mut self, what: &str) -> Result<(StepPreview, Instant)> {
@@ -650,5 +708,7 @@ fn report(p: &StepPreview, clipped: bool, t_opt: Instant) -> StepReport {
         compute_s: p.compute_s,
         comm_wait_s: p.comm_wait_s,
         optim_s: t_opt.elapsed().as_secs_f64(),
+        param_norm: None,
+        update_ratio: None,
     }
 }

@@ -1,0 +1,393 @@
+//! [`RunConfig`]: everything a training run is configured with, loadable from TOML, validated
+//! with errors that name the field, and overridable from command-line flags.
+
+mod overrides;
+mod sections;
+mod validate;
+
+pub use sections::{
+    CheckpointSection, DataSection, EvalSection, MetricsSection, ModelSection, MonitorSection,
+    OptimSection, ParallelSection, PrecisionSection, TrainSection,
+};
+
+use crate::error::{Result, TrainError};
+use kiln_model::GptConfig;
+use kiln_precision::ComputeDType;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// The names [`RunConfig::preset`] knows.
+pub const RUN_PRESETS: &[&str] = &["tiny", "train_gpt", "train_gpt_zero3", "train_gpt_tp"];
+
+/// Everything a training run is configured with.
+///
+/// Every section has defaults, so a TOML file only names what it changes; unknown keys are
+/// errors. [`RunConfig::validate`] checks the whole configuration and names the field at fault;
+/// [`RunConfig::apply_overrides`] and [`RunConfig::from_args`] set fields from command-line
+/// flags (`--steps 30 --dp 2`, or any dotted path: `--optim.lr 1e-3`).
+///
+/// ```
+/// use kiln_train::RunConfig;
+/// let mut cfg = RunConfig::from_toml_str("seed = 7\n[parallel]\ndp = 2\n[train]\nsteps = 20\n")?;
+/// cfg.apply_overrides(&[("tp", "2"), ("optim.lr", "1e-3")])?;
+/// assert_eq!((cfg.seed, cfg.parallel.dp, cfg.parallel.tp, cfg.train.steps), (7, 2, 2, 20));
+/// assert_eq!(cfg.optim.lr, 1e-3);
+/// cfg.parallel.tp = 3;
+/// let err = cfg.validate().unwrap_err().to_string();
+/// assert!(err.contains("tensor_parallel_degree (3) must divide n_heads (4)"), "{err}");
+/// # Ok::<(), kiln_train::TrainError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunConfig {
+    /// Name of the run (printed, and recorded in checkpoints).
+    pub name: String,
+    /// Seed of the initialisation and of the data order.
+    pub seed: u64,
+    /// Where metrics, plots and (by default) checkpoints go.
+    pub output_dir: PathBuf,
+    /// The model.
+    pub model: ModelSection,
+    /// Parallelism.
+    pub parallel: ParallelSection,
+    /// Mixed precision.
+    pub precision: PrecisionSection,
+    /// The training loop.
+    pub train: TrainSection,
+    /// Optimizer, schedule and clipping.
+    pub optim: OptimSection,
+    /// Checkpoints.
+    pub checkpoint: CheckpointSection,
+    /// Evaluation.
+    pub eval: EvalSection,
+    /// The corpus.
+    pub data: DataSection,
+    /// Metric sinks.
+    pub metrics: MetricsSection,
+    /// Detectors, breaker and watchdog.
+    pub monitor: MonitorSection,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            name: "run".into(),
+            seed: 1337,
+            output_dir: PathBuf::from("runs/run"),
+            model: ModelSection::default(),
+            parallel: ParallelSection::default(),
+            precision: PrecisionSection::default(),
+            train: TrainSection::default(),
+            optim: OptimSection::default(),
+            checkpoint: CheckpointSection::default(),
+            eval: EvalSection::default(),
+            data: DataSection::default(),
+            metrics: MetricsSection::default(),
+            monitor: MonitorSection::default(),
+        }
+    }
+}
+
+impl RunConfig {
+    /// A named starting point (see [`RUN_PRESETS`]):
+    /// - `tiny`: the `tiny` model, one rank, f32, 50 steps; for tests and quick checks.
+    /// - `train_gpt`: the GPT-3 architecture scaled down (`small_cpu`), dp=2 x tp=2, ZeRO-1,
+    ///   f16 with dynamic loss scaling, activation checkpointing, warmup + cosine, clipping,
+    ///   checkpoints, spike detection with rollback, JSONL + TensorBoard + PNG.
+    /// - `train_gpt_zero3`: `train_gpt` on dp=4 with ZeRO-3.
+    /// - `train_gpt_tp`: `train_gpt` on tp=4.
+    pub fn preset(name: &str) -> Result<Self> {
+        let key = name.trim().to_ascii_lowercase().replace('-', "_");
+        let base = RunConfig::default();
+        let gpt = |dp: usize, tp: usize, zero: u8, run: &str| RunConfig {
+            name: run.to_string(),
+            output_dir: PathBuf::from("runs").join(run),
+            model: ModelSection {
+                preset: "small_cpu".into(),
+                ..ModelSection::default()
+            },
+            parallel: ParallelSection {
+                dp,
+                tp,
+                zero,
+                ..ParallelSection::default()
+            },
+            precision: PrecisionSection {
+                compute: ComputeDType::F16,
+                ..PrecisionSection::default()
+            },
+            train: TrainSection {
+                steps: 200,
+                micro_batch: 8 / dp,
+                accumulation: 1,
+                seq_len: 128,
+                activation_checkpointing: "every_block".into(),
+            },
+            optim: OptimSection {
+                lr: 2e-3,
+                min_lr: 2e-4,
+                warmup_steps: 20,
+                ..OptimSection::default()
+            },
+            checkpoint: CheckpointSection {
+                every_steps: 50,
+                keep_last: 2,
+                ..CheckpointSection::default()
+            },
+            eval: EvalSection {
+                every: 50,
+                batches: 8,
+                at_end: true,
+            },
+            ..RunConfig::default()
+        };
+        Ok(match key.as_str() {
+            "tiny" => RunConfig {
+                name: "tiny".into(),
+                output_dir: PathBuf::from("runs/tiny"),
+                train: TrainSection {
+                    steps: 50,
+                    micro_batch: 4,
+                    seq_len: 32,
+                    ..TrainSection::default()
+                },
+                ..base
+            },
+            "train_gpt" => gpt(2, 2, 1, "train_gpt"),
+            "train_gpt_zero3" => gpt(4, 1, 3, "train_gpt_zero3"),
+            "train_gpt_tp" => gpt(1, 4, 0, "train_gpt_tp"),
+            _ => {
+                return Err(TrainError::config(
+                    "RunConfig preset",
+                    format!("unknown preset {name:?}; known: {}", RUN_PRESETS.join(", ")),
+                ))
+            }
+        })
+    }
+
+    /// Parses a TOML document.
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        toml::from_str(text).map_err(|e| TrainError::Parse {
+            path: PathBuf::from("<string>"),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Reads and parses a TOML file.
+    pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| TrainError::File {
+            op: "read",
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        toml::from_str(&text).map_err(|e| TrainError::Parse {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// The configuration as TOML.
+    pub fn to_toml_string(&self) -> Result<String> {
+        toml::to_string(self).map_err(|e| TrainError::Parse {
+            path: PathBuf::from("<string>"),
+            reason: e.to_string(),
+        })
+    }
+
+    /// The model architecture.
+    pub fn gpt_config(&self) -> Result<GptConfig> {
+        self.model.gpt_config()
+    }
+
+    /// The checkpoint directory.
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint
+            .dir
+            .clone()
+            .unwrap_or_else(|| self.output_dir.join("checkpoints"))
+    }
+
+    /// The data cache folder for this model's vocabulary and corpora.
+    pub fn data_cache_dir(&self) -> Result<PathBuf> {
+        let root = self
+            .data
+            .cache_dir
+            .clone()
+            .unwrap_or_else(kiln_data::default_cache_dir);
+        let vocab = self.gpt_config()?.vocab_size;
+        Ok(root.join(format!("{}-v{vocab}", self.data.corpora.join("+"))))
+    }
+
+    /// A short hash of everything that shapes the training trajectory (model, precision,
+    /// batch shape, optimizer, data, seed), excluding the parallel layout, the step count and
+    /// the outputs. Recorded in every checkpoint.
+    pub fn trajectory_hash(&self) -> String {
+        let v = serde_json::json!({
+            "seed": self.seed,
+            "model": self.model,
+            "precision": self.precision,
+            "micro_batch_global": self.train.rank_batch() * self.parallel.dp,
+            "seq_len": self.train.seq_len,
+            "optim": self.optim,
+            "corpora": self.data.corpora,
+            "val_fraction": self.data.val_fraction});
+        let digest = Sha256::digest(v.to_string().as_bytes());
+        digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_memory::CheckpointPolicy;
+
+    #[test]
+    fn presets_validate_and_round_trip_through_toml() {
+        for name in RUN_PRESETS {
+            let cfg = RunConfig::preset(name).unwrap();
+            cfg.validate().unwrap();
+            let text = cfg.to_toml_string().unwrap();
+            assert_eq!(RunConfig::from_toml_str(&text).unwrap(), cfg, "{name}");
+        }
+        assert!(RunConfig::preset("nope")
+            .unwrap_err()
+            .to_string()
+            .contains("train_gpt_zero3"));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = RunConfig::from_toml_str("[train]\nstepz = 3\n").unwrap_err();
+        assert!(e.to_string().contains("stepz"), "{e}");
+        let mut c = RunConfig::default();
+        c.parallel.dp = 3;
+        c.parallel.tp = 8;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("RunConfig.parallel"), "{e}");
+        assert!(
+            e.contains("tensor_parallel_degree (8) must divide n_heads (4)"),
+            "{e}"
+        );
+        let mut c = RunConfig::default();
+        c.train.seq_len = 65;
+        let e = c.validate().unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "invalid run config: RunConfig.train.seq_len: must be in 1..=64 (the model's n_ctx), got 65"
+        );
+        let mut c = RunConfig::default();
+        c.optim.warmup_steps = 500;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.ends_with("RunConfig.optim.warmup_steps: 500 must not exceed train.steps (100)"),
+            "{e}"
+        );
+        let mut c = RunConfig::default();
+        c.train.activation_checkpointing = "every_0".into();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("RunConfig.train.activation_checkpointing"));
+        let mut c = RunConfig::default();
+        c.parallel.zero = 4;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("RunConfig.parallel.zero"));
+    }
+
+    #[test]
+    fn overrides_parse_by_field_type() {
+        let mut c = RunConfig::default();
+        c.apply_overrides(&[
+            ("steps", "30"),
+            ("--dp", "2"),
+            ("optim.max-grad-norm", "0.5"),
+            ("metrics.png", "off"),
+            ("corpora", "austen, shakespeare"),
+            ("checkpoint.resume_step", "20"),
+            ("precision", "fp16"),
+            ("activation_checkpointing", "every_2"),
+        ])
+        .unwrap();
+        assert_eq!(c.train.steps, 30);
+        assert_eq!(c.parallel.dp, 2);
+        assert_eq!(c.optim.max_grad_norm, 0.5);
+        assert!(!c.metrics.png);
+        assert_eq!(c.data.corpora, ["austen", "shakespeare"]);
+        assert_eq!(c.checkpoint.resume_step, Some(20));
+        assert_eq!(c.precision.compute, ComputeDType::F16);
+        assert_eq!(
+            c.train.checkpoint_policy().unwrap(),
+            CheckpointPolicy::EveryKth(2)
+        );
+        let e = c
+            .apply_overrides(&[("stepz", "1")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RunConfig.stepz") && e.contains("--stepz"),
+            "{e}"
+        );
+        let e = c
+            .apply_overrides(&[("steps", "1.5")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RunConfig.train.steps: expected a whole number"),
+            "{e}"
+        );
+        let e = c
+            .apply_overrides(&[("optim", "1")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is a section"), "{e}");
+        let e = c
+            .apply_overrides(&[("precision", "f8")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RunConfig"), "{e}");
+        assert_eq!(
+            c.train.steps, 30,
+            "a failed override leaves the config alone"
+        );
+    }
+
+    #[test]
+    fn args_apply_in_order() {
+        let dir = std::env::temp_dir().join(format!("kiln-train-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("run.toml");
+        std::fs::write(&file, "seed = 5\n[train]\nsteps = 9\n").unwrap();
+        let args = [
+            "--steps",
+            "3",
+            "--config",
+            file.to_str().unwrap(),
+            "--tp",
+            "2",
+        ]
+        .map(String::from);
+        let c = RunConfig::from_args("tiny", args).unwrap();
+        assert_eq!((c.seed, c.train.steps, c.parallel.tp), (5, 9, 2));
+        assert!(RunConfig::from_args("tiny", ["--steps".to_string()]).is_err());
+        assert!(RunConfig::from_args("tiny", ["steps".to_string()]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn trajectory_hash_ignores_layout_and_outputs() {
+        let a = RunConfig::default();
+        let mut b = a.clone();
+        b.parallel.zero = 3;
+        b.output_dir = "elsewhere".into();
+        b.train.steps = 7;
+        assert_eq!(a.trajectory_hash(), b.trajectory_hash());
+        b.optim.lr *= 2.0;
+        assert_ne!(a.trajectory_hash(), b.trajectory_hash());
+    }
+}

@@ -1,0 +1,152 @@
+//! [`RunConfig::validate`]: every field checked, errors naming the field.
+
+use super::RunConfig;
+use crate::error::{Result, TrainError};
+use kiln_memory::ModelShape;
+use kiln_parallel::ParallelDims;
+use kiln_precision::ComputeDType;
+
+impl RunConfig {
+    /// Checks the whole configuration; the error names the field (`RunConfig.parallel.dp`) and
+    /// the values that conflict.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, reason: String| {
+            Err(TrainError::config(format!("RunConfig.{field}"), reason))
+        };
+        let model = self.gpt_config()?;
+        model
+            .validate()
+            .map_err(|e| TrainError::config("RunConfig.model", e.to_string()))?;
+        let p = &self.parallel;
+        let shape = ModelShape {
+            n_layers: model.n_layers as u64,
+            d_model: model.d_model as u64,
+            n_heads: model.n_heads as u64,
+            ctx: model.n_ctx as u64,
+            vocab: model.vocab_size as u64,
+        };
+        ParallelDims::new(p.dp, p.tp, p.world(), &shape).map_err(|e| {
+            TrainError::config(
+                "RunConfig.parallel",
+                format!("dp ({}) x tp ({}): {e}", p.dp, p.tp),
+            )
+        })?;
+        p.stage()?;
+        if !p.backend.is_built() {
+            return bad(
+                "parallel.backend",
+                format!(
+                    "{} is not built in: build with --features mpi (Open MPI needed: apt-get \
+                     install openmpi-bin libopenmpi-dev libclang-dev)",
+                    p.backend
+                ),
+            );
+        }
+        if !(p.bucket_mb.is_finite() && p.bucket_mb > 0.0) {
+            return bad(
+                "parallel.bucket_mb",
+                format!("must be > 0, got {}", p.bucket_mb),
+            );
+        }
+        let t = &self.train;
+        if t.steps == 0 {
+            return bad("train.steps", "must be at least 1, got 0".into());
+        }
+        if t.micro_batch == 0 {
+            return bad("train.micro_batch", "must be at least 1, got 0".into());
+        }
+        if t.accumulation == 0 {
+            return bad("train.accumulation", "must be at least 1, got 0".into());
+        }
+        if t.seq_len == 0 || t.seq_len > model.n_ctx {
+            return bad(
+                "train.seq_len",
+                format!(
+                    "must be in 1..={} (the model's n_ctx), got {}",
+                    model.n_ctx, t.seq_len
+                ),
+            );
+        }
+        t.checkpoint_policy()?;
+        let o = &self.optim;
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return bad("optim.lr", format!("must be finite and > 0, got {}", o.lr));
+        }
+        if !(o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
+            return bad(
+                "optim.min_lr",
+                format!("must be in [0, optim.lr ({})], got {}", o.lr, o.min_lr),
+            );
+        }
+        if o.warmup_steps > t.steps {
+            return bad(
+                "optim.warmup_steps",
+                format!(
+                    "{} must not exceed train.steps ({})",
+                    o.warmup_steps, t.steps
+                ),
+            );
+        }
+        if !(o.max_grad_norm.is_finite() && o.max_grad_norm >= 0.0) {
+            return bad(
+                "optim.max_grad_norm",
+                format!("must be finite and >= 0 (0: off), got {}", o.max_grad_norm),
+            );
+        }
+        o.adamw()
+            .validate()
+            .map_err(|e| TrainError::config("RunConfig.optim", e.to_string()))?;
+        o.schedule(t.steps)?;
+        if self.precision.compute == ComputeDType::F16 {
+            self.precision
+                .scaler_config()
+                .validate()
+                .map_err(|e| TrainError::config("RunConfig.precision", e.to_string()))?;
+        }
+        let c = &self.checkpoint;
+        if !(c.every_minutes.is_finite() && c.every_minutes >= 0.0) {
+            return bad(
+                "checkpoint.every_minutes",
+                format!("must be finite and >= 0, got {}", c.every_minutes),
+            );
+        }
+        if self.eval.batches == 0 && (self.eval.every > 0 || self.eval.at_end) {
+            return bad(
+                "eval.batches",
+                "must be at least 1 when evaluation is on (eval.every > 0 or eval.at_end)".into(),
+            );
+        }
+        let d = &self.data;
+        if d.corpora.is_empty() {
+            return bad("data.corpora", "names no corpus".into());
+        }
+        if !(0.0..1.0).contains(&d.val_fraction) {
+            return bad(
+                "data.val_fraction",
+                format!("must be in [0, 1), got {}", d.val_fraction),
+            );
+        }
+        if d.prefetch == 0 {
+            return bad("data.prefetch", "must be at least 1, got 0".into());
+        }
+        if !(self.metrics.peak_flops_per_s.is_finite() && self.metrics.peak_flops_per_s > 0.0) {
+            return bad(
+                "metrics.peak_flops_per_s",
+                format!("must be > 0, got {}", self.metrics.peak_flops_per_s),
+            );
+        }
+        let m = &self.monitor;
+        if !(m.watchdog_s.is_finite() && m.watchdog_s >= 0.0) {
+            return bad(
+                "monitor.watchdog_s",
+                format!("must be finite and >= 0 (0: off), got {}", m.watchdog_s),
+            );
+        }
+        if m.detectors {
+            m.detector_set()?;
+            kiln_monitor::CircuitBreaker::new(m.breaker_policy())
+                .map_err(|e| TrainError::config("RunConfig.monitor", e.to_string()))?;
+        }
+        Ok(())
+    }
+}

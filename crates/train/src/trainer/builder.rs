@@ -1,0 +1,403 @@
+//! [`TrainerBuilder`]: every part of a [`Trainer`] defaulted from the configuration, and `build`.
+
+use crate::config::RunConfig;
+use crate::data::{prepare_sources, DataSources};
+use crate::error::{Result, TrainError};
+use crate::model::{ModelContext, TrainModel};
+use crate::state::TrainerProgress;
+use kiln_ckpt::{
+    CheckpointConfig, Checkpointer, Layout, LocalFs, Retention, RngState, SavePolicy, Storage,
+};
+use kiln_comm::Communicator;
+use kiln_data::{DataLoader, LoaderConfig, TokenSource, Transform};
+use kiln_memory::ModelShape;
+use kiln_model::Gpt;
+use kiln_monitor::{
+    BreakerPolicy, CircuitBreaker, DetectorSet, MetricSink, Mfu, MultiSink, StepMetrics, Watchdog,
+};
+use kiln_optim::LrSchedule;
+use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims};
+use kiln_precision::{ComputeDType, DynamicLossScaler, LossScaler, NoScaler};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{ModelFn, Outputs, StepHook, Trainer, HANG_EXIT_CODE};
+
+/// Builds a [`Trainer`]: every part has a default made from the [`RunConfig`] and can be
+/// replaced.
+pub struct TrainerBuilder<M: TrainModel = Gpt> {
+    config: RunConfig,
+    model_fn: ModelFn<M>,
+    sinks: Vec<Box<dyn MetricSink>>,
+    default_sinks: bool,
+    detectors: Option<DetectorSet>,
+    breaker: Option<BreakerPolicy>,
+    scaler: Option<Box<dyn LossScaler>>,
+    schedule: Option<Box<dyn LrSchedule>>,
+    data: Option<DataSources>,
+    transforms: Vec<Arc<dyn Transform>>,
+    storage: Option<Arc<dyn Storage>>,
+    on_step: Option<StepHook>,
+}
+
+impl<M: TrainModel> std::fmt::Debug for TrainerBuilder<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainerBuilder")
+            .field("config", &self.config.name)
+            .field("sinks", &self.sinks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: TrainModel> TrainerBuilder<M> {
+    /// Replaces the model: `f` builds this rank's model (use [`ModelContext::tp`] to split it
+    /// over the tensor-parallel group).
+    pub fn model<N: TrainModel>(
+        self,
+        f: impl FnOnce(&ModelContext<'_>) -> Result<N> + 'static,
+    ) -> TrainerBuilder<N> {
+        TrainerBuilder {
+            config: self.config,
+            model_fn: Box::new(f),
+            sinks: self.sinks,
+            default_sinks: self.default_sinks,
+            detectors: self.detectors,
+            breaker: self.breaker,
+            scaler: self.scaler,
+            schedule: self.schedule,
+            data: self.data,
+            transforms: self.transforms,
+            storage: self.storage,
+            on_step: self.on_step,
+        }
+    }
+
+    /// Adds a metric sink (on rank 0, beside the configured ones).
+    pub fn sink(mut self, sink: impl MetricSink + 'static) -> Self {
+        self.sinks.push(Box::new(sink));
+        self
+    }
+
+    /// Turns the sinks of `RunConfig.metrics` off (or on); added sinks stay.
+    pub fn default_sinks(mut self, on: bool) -> Self {
+        self.default_sinks = on;
+        self
+    }
+
+    /// Replaces the detectors (default from `RunConfig.monitor`).
+    pub fn detectors(mut self, detectors: DetectorSet) -> Self {
+        self.detectors = Some(detectors);
+        self
+    }
+
+    /// Replaces the circuit breaker's policy (default from `RunConfig.monitor`).
+    pub fn breaker(mut self, policy: BreakerPolicy) -> Self {
+        self.breaker = Some(policy);
+        self
+    }
+
+    /// Replaces the loss scaler (default: dynamic for f16, none otherwise).
+    pub fn scaler(mut self, scaler: Box<dyn LossScaler>) -> Self {
+        self.scaler = Some(scaler);
+        self
+    }
+
+    /// Replaces the learning-rate schedule, indexed by optimizer steps (default from
+    /// `RunConfig.optim`).
+    pub fn schedule(mut self, schedule: Box<dyn LrSchedule>) -> Self {
+        self.schedule = Some(schedule);
+        self
+    }
+
+    /// Trains on these sources instead of the configured corpus; `val` may be empty.
+    pub fn data(mut self, train: Vec<TokenSource>, val: Vec<TokenSource>) -> Self {
+        self.data = Some(DataSources {
+            train,
+            val,
+            vocab_size: None,
+        });
+        self
+    }
+
+    /// Adds a per-sample transform to the training loader (runs on its worker threads).
+    pub fn transform(mut self, t: Arc<dyn Transform>) -> Self {
+        self.transforms.push(t);
+        self
+    }
+
+    /// Keeps checkpoints in `storage` instead of the local checkpoint directory.
+    pub fn storage(mut self, storage: Arc<dyn Storage>) -> Self {
+        self.storage = Some(storage);
+        self
+    }
+
+    /// Calls `f` on every rank after every step with the step's record.
+    pub fn on_step(mut self, f: impl FnMut(&StepMetrics) + 'static) -> Self {
+        self.on_step = Some(Box::new(f));
+        self
+    }
+
+    /// Builds this rank's trainer over the world communicator `comm` (collective: every rank
+    /// of the world calls it): validates the configuration, splits the world into
+    /// data-parallel and tensor-parallel groups, builds the model, the engine, the data
+    /// loader, the checkpointer, the sinks (rank 0), the detectors, the breaker and the
+    /// watchdog, and resumes from a checkpoint when asked to.
+    pub fn build(self, comm: impl Communicator + 'static) -> Result<Trainer<M>> {
+        let world: Arc<dyn Communicator> = Arc::new(comm);
+        self.build_shared(world)
+    }
+
+    /// [`TrainerBuilder::build`] over a shared communicator.
+    pub fn build_shared(self, world: Arc<dyn Communicator>) -> Result<Trainer<M>> {
+        let cfg = self.config;
+        cfg.validate()?;
+        let gpt = cfg.gpt_config()?;
+        let p = &cfg.parallel;
+        if world.world_size() != p.world() {
+            return Err(TrainError::config(
+                "RunConfig.parallel",
+                format!(
+                    "dp ({}) x tp ({}) = {} but the communicator has {} ranks",
+                    p.dp,
+                    p.tp,
+                    p.world(),
+                    world.world_size()
+                ),
+            ));
+        }
+        let shape = ModelShape {
+            n_layers: gpt.n_layers as u64,
+            d_model: gpt.d_model as u64,
+            n_heads: gpt.n_heads as u64,
+            ctx: gpt.n_ctx as u64,
+            vocab: gpt.vocab_size as u64,
+        };
+        let dims = ParallelDims::new(p.dp, p.tp, world.world_size(), &shape)?;
+        let groups = dims.build_groups(&*world)?;
+        let dp: Arc<dyn Communicator> = Arc::from(groups.dp);
+        let tp: Arc<dyn Communicator> = Arc::from(groups.tp);
+        let rank = world.rank();
+        let model = (self.model_fn)(&ModelContext {
+            config: &cfg,
+            tp: tp.clone(),
+            rank,
+        })?;
+        let stage = p.stage()?;
+        let dpc = DataParallelConfig {
+            stage,
+            bucket_bytes: p.bucket_bytes(),
+            overlap: p.overlap,
+            max_grad_norm: cfg.optim.clip(),
+            adamw: cfg.optim.adamw(),
+            // the param_norm and update_param_ratio metrics, computed inside the update
+            update_norms: true,
+            checkpoint: cfg.train.checkpoint_policy()?,
+        };
+        let mut engine = DataParallel::new(&model.segment_param_lists(), &*dp, dpc)?
+            .with_world(world.clone())
+            .with_param_splits(&model.param_splits())?;
+        if p.tp > 1 {
+            engine = engine.with_tensor_parallel(tp.clone());
+        }
+
+        // data
+        let sources = match self.data {
+            Some(d) => d,
+            None => prepare_sources(&cfg, &*world)?,
+        };
+        if sources.train.is_empty() {
+            return Err(TrainError::Builder("no training source".into()));
+        }
+        let loader_cfg = LoaderConfig {
+            dp: p.dp,
+            rank: dp.rank(),
+            seed: cfg.seed,
+            workers: cfg.data.workers,
+            prefetch: cfg.data.prefetch,
+            ..LoaderConfig::new(cfg.train.seq_len, cfg.train.rank_batch())
+        };
+        let mut loader = DataLoader::new(sources.train.clone(), None, loader_cfg.clone())?;
+        let evaluates = cfg.eval.batches > 0 && (cfg.eval.every > 0 || cfg.eval.at_end);
+        if evaluates && !sources.val.is_empty() {
+            // fail now, not at the first evaluation, on a validation split too small to batch
+            let val_cfg = LoaderConfig {
+                batch_size: cfg.train.micro_batch,
+                workers: 0,
+                ..loader_cfg.clone()
+            };
+            DataLoader::new(sources.val.clone(), None, val_cfg).map_err(|e| {
+                TrainError::config(
+                    "RunConfig.eval",
+                    format!(
+                        "the validation split cannot make batches of {} x {} sequences of {} \
+                         tokens: {e}",
+                        p.dp, cfg.train.micro_batch, cfg.train.seq_len
+                    ),
+                )
+            })?;
+        }
+        for t in self.transforms {
+            loader.add_transform(t);
+        }
+
+        // precision, schedule
+        let scaler: Box<dyn LossScaler> = match self.scaler {
+            Some(s) => s,
+            None if cfg.precision.compute == ComputeDType::F16 => {
+                Box::new(DynamicLossScaler::new(cfg.precision.scaler_config())?)
+            }
+            None => Box::new(NoScaler),
+        };
+        let schedule = match self.schedule {
+            Some(s) => s,
+            None => cfg.optim.schedule(cfg.train.steps)?,
+        };
+
+        // monitoring
+        let (detectors, breaker) = if cfg.monitor.detectors {
+            let d = match self.detectors {
+                Some(d) => d,
+                None => cfg.monitor.detector_set()?,
+            };
+            let policy = self.breaker.unwrap_or_else(|| cfg.monitor.breaker_policy());
+            (Some(d), Some(CircuitBreaker::new(policy)?))
+        } else {
+            (None, None)
+        };
+        let watchdog = if cfg.monitor.watchdog_s > 0.0 {
+            let timeout = Duration::from_secs_f64(cfg.monitor.watchdog_s);
+            let comms = vec![world.clone()];
+            Some(if world.backend() == "thread" {
+                Watchdog::start(timeout, comms)?
+            } else {
+                // One rank per process: a rank stuck inside a collective cannot return an
+                // error, so the watchdog ends the process with the dump and a non-zero status,
+                // and the launcher (mpirun, srun) tears the job down.
+                Watchdog::start_with(timeout, comms, move |report| {
+                    eprintln!("kiln-train watchdog, rank {rank}: {report}; exiting with status {HANG_EXIT_CODE}");
+                    std::process::exit(HANG_EXIT_CODE)
+                })?
+            })
+        } else {
+            None
+        };
+
+        // checkpoints
+        let ck = &cfg.checkpoint;
+        let mut outputs = Outputs::default();
+        let wants_ckpt = ck.enabled() || ck.resume || ck.resume_step.is_some();
+        let ckpt = if wants_ckpt || self.storage.is_some() {
+            let storage: Arc<dyn Storage> = match self.storage {
+                Some(s) => s,
+                None => {
+                    let dir = cfg.checkpoint_dir();
+                    outputs.checkpoints = Some(dir.clone());
+                    Arc::new(LocalFs::new(dir)?)
+                }
+            };
+            let mut policy = SavePolicy::default();
+            if ck.every_steps > 0 {
+                policy.every_steps = Some(ck.every_steps);
+            }
+            if ck.every_minutes > 0.0 {
+                policy.every = Some(Duration::from_secs_f64(ck.every_minutes * 60.0));
+            }
+            let mut retention = if ck.keep_last > 0 {
+                Retention::keep_last(ck.keep_last)
+            } else {
+                Retention::keep_all()
+            };
+            if ck.keep_every > 0 {
+                retention = retention.and_every(ck.keep_every);
+            }
+            let layout = Layout::new(p.dp, p.tp, p.zero)?;
+            let mut c = Checkpointer::new(
+                storage,
+                CheckpointConfig::new(layout, model.config_hash())
+                    .with_policy(policy)
+                    .with_retention(retention),
+            )?;
+            c.set_user_meta("run", &cfg.name)?;
+            c.set_user_meta("run_hash", cfg.trajectory_hash())?;
+            Some(c)
+        } else {
+            None
+        };
+
+        let mfu = model
+            .flops_per_token(cfg.train.seq_len)
+            .and_then(|f| Mfu::new(f, cfg.metrics.peak_flops_per_s).ok());
+        let progress = TrainerProgress {
+            run_hash: cfg.trajectory_hash(),
+            ..TrainerProgress::default()
+        };
+        let mut trainer = Trainer {
+            rng: RngState {
+                seed: cfg.seed,
+                stream: 0,
+                counter: 0,
+            },
+            world,
+            dp,
+            tp,
+            dims,
+            model,
+            engine,
+            scaler,
+            schedule,
+            loader,
+            loader_cfg,
+            val_sources: sources.val,
+            ckpt,
+            sinks: MultiSink::new(),
+            detectors,
+            breaker,
+            watchdog,
+            progress,
+            mfu,
+            last_ckpt: None,
+            losses: Vec::new(),
+            val_losses: Vec::new(),
+            checkpoints: Vec::new(),
+            rollbacks: Vec::new(),
+            resumed_from: None,
+            skipped_checkpoints: Vec::new(),
+            outputs,
+            on_step: self.on_step,
+            last_metrics: None,
+            pending_events: Vec::new(),
+            run_tokens: 0,
+            started: Instant::now(),
+            cfg,
+        };
+        trainer.resume_if_asked()?;
+        if trainer.world.rank() == 0 {
+            trainer.open_sinks(self.default_sinks, self.sinks)?;
+        }
+        let header = trainer.header();
+        trainer.emit_events(&[header])?;
+        let pending = std::mem::take(&mut trainer.pending_events);
+        trainer.emit_events(&pending)?;
+        Ok(trainer)
+    }
+}
+
+impl Trainer<Gpt> {
+    /// A builder with every part made from `config` (the model: its GPT preset).
+    pub fn builder(config: RunConfig) -> TrainerBuilder<Gpt> {
+        TrainerBuilder {
+            config,
+            model_fn: Box::new(|ctx: &ModelContext<'_>| ctx.build_gpt()),
+            sinks: Vec::new(),
+            default_sinks: true,
+            detectors: None,
+            breaker: None,
+            scaler: None,
+            schedule: None,
+            data: None,
+            transforms: Vec::new(),
+            storage: None,
+            on_step: None,
+        }
+    }
+}
