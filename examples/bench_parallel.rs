@@ -11,7 +11,6 @@
 
 use candle_core::{Device, Tensor};
 use kiln_comm::{spawn, Communicator, ThreadComm};
-use kiln_memory::ModelShape;
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage};
 use kiln_precision::NoScaler;
@@ -49,13 +48,7 @@ fn main() -> anyhow::Result<()> {
     let only = flag("--only");
     let cfg = GptConfig::by_name(&preset)?;
     let (global_batch, seq) = (8usize, cfg.n_ctx.min(128));
-    let shape = ModelShape {
-        n_layers: cfg.n_layers as u64,
-        d_model: cfg.d_model as u64,
-        n_heads: cfg.n_heads as u64,
-        ctx: cfg.n_ctx as u64,
-        vocab: cfg.vocab_size as u64,
-    };
+    let shape = cfg.shape();
     let cases = [
         Case {
             name: "dp1",

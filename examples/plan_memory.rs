@@ -9,7 +9,7 @@
 //! (other presets: `gpt3_small` ... `gpt3_6_7b`, `small_cpu`, `tiny`; `--micro-batch N`,
 //! `--precision f32`).
 
-use kiln_memory::{MemPrecision, MemoryPlan, ModelShape, ShardingStage};
+use kiln_memory::{MemPrecision, MemoryPlan, ShardingStage};
 use kiln_model::GptConfig;
 
 fn gib(bytes: u64) -> String {
@@ -40,13 +40,7 @@ fn main() -> anyhow::Result<()> {
         _ => MemPrecision::Mixed16,
     };
     let cfg = GptConfig::by_name(&preset)?;
-    let shape = ModelShape {
-        n_layers: cfg.n_layers as u64,
-        d_model: cfg.d_model as u64,
-        n_heads: cfg.n_heads as u64,
-        ctx: cfg.n_ctx as u64,
-        vocab: cfg.vocab_size as u64,
-    };
+    let shape = cfg.shape();
     println!(
         "{preset}: {:.2}B parameters ({} layers, d_model {}, {} heads, ctx {}, vocab {}), dp={dp} tp={tp}, micro-batch {micro_batch}, {precision:?}",
         shape.params() as f64 / 1e9,

@@ -5,23 +5,12 @@
 
 use candle_core::{DType, Device, Tensor};
 use kiln_comm::{Communicator, ThreadComm};
-use kiln_memory::ModelShape;
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_parallel::tp::TpSplit;
 use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage};
 use kiln_precision::{DynamicLossScaler, NoScaler};
 use kiln_testkit::{assert_close, run_ranks};
 use std::sync::Arc;
-
-fn shape(cfg: &GptConfig) -> ModelShape {
-    ModelShape {
-        n_layers: cfg.n_layers as u64,
-        d_model: cfg.d_model as u64,
-        n_heads: cfg.n_heads as u64,
-        ctx: cfg.n_ctx as u64,
-        vocab: cfg.vocab_size as u64,
-    }
-}
 
 fn tokens(b: usize, t: usize, vocab: usize, salt: usize) -> (Tensor, Tensor) {
     let tok = |i: usize| ((i * 2654435761 + salt * 97) >> 5) % vocab;
@@ -116,7 +105,7 @@ fn train(
 ) -> (Vec<(String, Vec<f32>)>, Vec<f32>) {
     let global_batch = 4;
     let outs = run_ranks(dp * tp, |comm: ThreadComm| {
-        let dims = ParallelDims::new(dp, tp, dp * tp, &shape(cfg))?;
+        let dims = ParallelDims::new(dp, tp, dp * tp, &cfg.shape())?;
         let groups = dims.build_groups(&comm)?;
         let world: Arc<dyn Communicator> = Arc::new(comm);
         let tp_comm: Arc<dyn Communicator> = Arc::from(groups.tp);
@@ -201,10 +190,10 @@ fn tensor_parallel_training_matches_tp1() {
     // AdamW's amplification of zero.
     let dpc = DataParallelConfig {
         max_grad_norm: Some(1.0),
-        adamw: kiln_optim::AdamWConfig {
+        optimizer: kiln_optim::OptimizerConfig::AdamW(kiln_optim::AdamWConfig {
             eps: 1e-3,
             ..Default::default()
-        },
+        }),
         ..Default::default()
     };
     let (p1, l1) = train(&cfg, 1, 1, dpc, false, 5);

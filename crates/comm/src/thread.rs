@@ -23,7 +23,6 @@ use crate::check::{as_seen_by, check_calls, split_members, Call};
 use crate::communicator::{chunk_range, Communicator, Descriptor, OpKind};
 use crate::elem::{reduce_bytes, Buf, BufMut, DType, ReduceOp};
 use crate::error::{CommError, Result};
-use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -681,16 +680,6 @@ impl<E: std::fmt::Display + std::fmt::Debug> RankError<E> {
     }
 }
 
-fn panic_message(p: Box<dyn Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-string panic payload".to_string()
-    }
-}
-
 /// Runs `f` on `world` ranks, one thread each, with the default configuration, and returns every
 /// rank's result in rank order, or the first failure in time (see [`RankError`]).
 ///
@@ -751,7 +740,9 @@ where
                             let out = match catch_unwind(AssertUnwindSafe(|| f(comm))) {
                                 Ok(Ok(r)) => Ok(r),
                                 Ok(Err(e)) => Err(RankFailure::Error(e)),
-                                Err(p) => Err(RankFailure::Panicked(panic_message(p))),
+                                Err(p) => Err(RankFailure::Panicked(kiln_state::panic_message(
+                                    p.as_ref(),
+                                ))),
                             };
                             (order.fetch_add(1, Ordering::SeqCst), out)
                         })
@@ -762,7 +753,10 @@ where
                 .enumerate()
                 .map(|(rank, h)| match h {
                     Ok(h) => h.join().unwrap_or_else(|p| {
-                        (usize::MAX, Err(RankFailure::Panicked(panic_message(p))))
+                        (
+                            usize::MAX,
+                            Err(RankFailure::Panicked(kiln_state::panic_message(p.as_ref()))),
+                        )
                     }),
                     Err(e) => (
                         usize::MAX,

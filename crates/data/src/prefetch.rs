@@ -184,16 +184,6 @@ impl Drop for Prefetcher {
     }
 }
 
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-string panic payload".to_string()
-    }
-}
-
 fn worker(w: usize, shared: &Shared, lc: &LoadCtx, tx: &Sender<(u64, Delivered)>) {
     loop {
         let job = {
@@ -242,7 +232,7 @@ fn worker(w: usize, shared: &Shared, lc: &LoadCtx, tx: &Sender<(u64, Delivered)>
                 worker: w,
                 batch: job.step,
                 sample,
-                message: panic_message(p.as_ref()),
+                message: kiln_state::panic_message(p.as_ref()),
             }),
         };
         if tx.send((job.step, delivered)).is_err() {

@@ -1,6 +1,7 @@
 //! Counter-based randomness: every random choice of the pipeline is a pure function of
 //! (seed, purpose, counters), so a run is reproducible and resumable without saving RNG state.
 
+pub use kiln_state::splitmix64;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
@@ -19,15 +20,6 @@ pub enum Purpose {
     Transform = 3,
     /// Sampling text to train a tokenizer on.
     TextSample = 4,
-}
-
-/// One step of the splitmix64 generator: a bijective 64-bit mixer with good avalanche.
-#[inline]
-pub fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Hashes (seed, purpose, counters...) into one 64-bit key by chaining splitmix64.

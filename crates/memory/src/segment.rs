@@ -190,8 +190,10 @@ impl ParamProvider for StaticParams {
 }
 
 /// Which segments drop their activations after forward and recompute them before backward.
+/// Written (serde, [`std::fmt::Display`], [`std::str::FromStr`]) as `none`, `every_block` or
+/// `every_<k>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case", tag = "kind", content = "k")]
+#[serde(try_from = "String", into = "String")]
 pub enum CheckpointPolicy {
     /// Keep every activation (fastest, most memory).
     #[default]
@@ -200,6 +202,53 @@ pub enum CheckpointPolicy {
     EveryBlock,
     /// Recompute every k-th block (blocks 0, k, 2k, ... counted from the first block).
     EveryKth(usize),
+}
+
+impl std::fmt::Display for CheckpointPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckpointPolicy::None => f.write_str("none"),
+            CheckpointPolicy::EveryBlock => f.write_str("every_block"),
+            CheckpointPolicy::EveryKth(k) => write!(f, "every_{k}"),
+        }
+    }
+}
+
+impl std::str::FromStr for CheckpointPolicy {
+    type Err = MemoryError;
+
+    /// `none` (also `off`, `false`), `every_block` (also `all`, `on`, `true`, `every_1`) or
+    /// `every_<k>` with k at least 1; case and surrounding spaces do not matter.
+    fn from_str(s: &str) -> std::result::Result<Self, MemoryError> {
+        let t = s.trim().to_ascii_lowercase();
+        let bad = || MemoryError::Config {
+            field: "activation checkpointing",
+            message: format!("expected none, every_block or every_<k> with k >= 1, got {s:?}"),
+        };
+        match t.as_str() {
+            "none" | "off" | "false" | "" => Ok(CheckpointPolicy::None),
+            "every_block" | "all" | "true" | "on" => Ok(CheckpointPolicy::EveryBlock),
+            other => match other.strip_prefix("every_").and_then(|k| k.parse().ok()) {
+                Some(0) | None => Err(bad()),
+                Some(1) => Ok(CheckpointPolicy::EveryBlock),
+                Some(k) => Ok(CheckpointPolicy::EveryKth(k)),
+            },
+        }
+    }
+}
+
+impl TryFrom<String> for CheckpointPolicy {
+    type Error = MemoryError;
+
+    fn try_from(s: String) -> std::result::Result<Self, MemoryError> {
+        s.parse()
+    }
+}
+
+impl From<CheckpointPolicy> for String {
+    fn from(p: CheckpointPolicy) -> String {
+        p.to_string()
+    }
 }
 
 impl CheckpointPolicy {
@@ -393,5 +442,28 @@ fn hook_err(what: &'static str, segment: usize, source: BoxError) -> MemoryError
         what,
         segment,
         source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_policy_reads_and_writes_its_names() {
+        for (text, want) in [
+            ("none", CheckpointPolicy::None),
+            (" Every_Block ", CheckpointPolicy::EveryBlock),
+            ("every_1", CheckpointPolicy::EveryBlock),
+            ("every_3", CheckpointPolicy::EveryKth(3)),
+        ] {
+            let got: CheckpointPolicy = text.parse().unwrap();
+            assert_eq!(got, want, "{text}");
+            assert_eq!(got.to_string().parse::<CheckpointPolicy>().unwrap(), got);
+        }
+        for bad in ["every_0", "every_x", "sometimes"] {
+            let e = bad.parse::<CheckpointPolicy>().unwrap_err().to_string();
+            assert!(e.contains(bad), "{e}");
+        }
     }
 }

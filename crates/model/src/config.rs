@@ -243,6 +243,23 @@ impl GptConfig {
         self.n_layers as u64 * self.block_param_count() + 2 * self.d_model as u64
     }
 
+    /// The sizes kiln-memory's estimates and kiln-parallel's degree checks take
+    /// ([`kiln_memory::ModelShape`]), context `n_ctx`.
+    ///
+    /// ```
+    /// let s = kiln_model::GptConfig::gpt3_175b().shape();
+    /// assert_eq!((s.n_layers, s.d_model, s.n_heads, s.ctx, s.vocab), (96, 12288, 96, 2048, 50257));
+    /// ```
+    pub fn shape(&self) -> kiln_memory::ModelShape {
+        kiln_memory::ModelShape {
+            n_layers: self.n_layers as u64,
+            d_model: self.d_model as u64,
+            n_heads: self.n_heads as u64,
+            ctx: self.n_ctx as u64,
+            vocab: self.vocab_size as u64,
+        }
+    }
+
     /// Training FLOPs per token (forward and backward) at full context, by PaLM's formula
     /// (Chowdhery et al. 2022, appendix B): `6 N + 12 L H Q T`, with `N` the non-embedding
     /// parameters ([`GptConfig::non_embedding_param_count`]), `L` layers, `H` heads, `Q` head

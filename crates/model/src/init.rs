@@ -3,6 +3,7 @@
 
 use crate::error::{ModelError, Result};
 use candle_core::{DType, Device, Tensor, Var};
+pub use kiln_state::splitmix64;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -24,14 +25,6 @@ pub enum Init {
         /// Multiplies the bound; `1 / sqrt(2 * n_layers)` for scaled residual projections.
         gain: f64,
     },
-}
-
-/// SplitMix64's output function: a bijective 64-bit mixer.
-pub fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// A ChaCha8 stream keyed by `(seed, key)`: the key's bytes are folded into the seed with

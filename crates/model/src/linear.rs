@@ -6,6 +6,7 @@ use crate::error::{ModelError, Result};
 use crate::init::{Init, Initializer};
 use crate::params::ParamSource;
 use candle_core::{Tensor, Var};
+use kiln_optim::ParamKind;
 use kiln_parallel::tp::TpSplit;
 
 /// Which projection of a block a linear layer is; tells a tensor-parallel factory how to split.
@@ -74,6 +75,16 @@ impl LinearSpec {
         let mut out = vec![(format!("{}.weight", self.name), w)];
         if self.bias {
             out.push((format!("{}.bias", self.name), b));
+        }
+        out
+    }
+
+    /// What each of the layer's parameters is, for optimizer parameter groups: the weight a
+    /// [`ParamKind::Weight`], the bias a [`ParamKind::Bias`].
+    pub fn param_kinds(&self) -> Vec<(String, ParamKind)> {
+        let mut out = vec![(format!("{}.weight", self.name), ParamKind::Weight)];
+        if self.bias {
+            out.push((format!("{}.bias", self.name), ParamKind::Bias));
         }
         out
     }

@@ -8,6 +8,7 @@ use crate::ops;
 use crate::params::ParamSource;
 use crate::tp::TensorParallelFactory;
 use candle_core::{DType, Device, Tensor, Var};
+use kiln_optim::ParamKind;
 use kiln_parallel::tp::{self as tpops, TpComm, TpSplit};
 
 /// How a [`Gpt`] is built and run, apart from its architecture.
@@ -119,6 +120,8 @@ struct Block {
     head_dim: usize,
     /// How the factory's layers split their parameters (from their specs).
     splits: Vec<(String, TpSplit)>,
+    /// What the factory's layers' parameters are (from their specs).
+    kinds: Vec<(String, ParamKind)>,
 }
 
 impl Block {
@@ -160,6 +163,7 @@ impl Block {
             mlp_proj: factory.linear(init, down)?,
             head_dim: cfg.head_dim(),
             splits: specs.iter().flat_map(LinearSpec::param_splits).collect(),
+            kinds: specs.iter().flat_map(LinearSpec::param_kinds).collect(),
         })
     }
 
@@ -365,6 +369,28 @@ impl Gpt {
                         .unwrap_or(TpSplit::Replicated)
                 };
                 (n, split)
+            })
+            .collect()
+    }
+
+    /// Every parameter with what it is, for the optimizer's parameter groups
+    /// ([`kiln_optim::WeightDecayGroups`]): `wte` and `wpe` embeddings, each linear layer's
+    /// weight and bias as its [`LinearSpec::param_kinds`] says, the LayerNorms' gains and
+    /// shifts norms. In [`Gpt::named_parameters`] order.
+    pub fn param_kinds(&self) -> Vec<(String, ParamKind)> {
+        let linear: std::collections::HashMap<&str, ParamKind> = self
+            .blocks
+            .iter()
+            .flat_map(|b| b.kinds.iter().map(|(n, k)| (n.as_str(), *k)))
+            .collect();
+        self.named_parameters()
+            .into_iter()
+            .map(|(n, _)| {
+                let kind = match n.as_str() {
+                    "wte" | "wpe" => ParamKind::Embedding,
+                    other => linear.get(other).copied().unwrap_or(ParamKind::Norm),
+                };
+                (n, kind)
             })
             .collect()
     }

@@ -108,6 +108,7 @@ pub enum Response {
 
 /// The breaker's configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct BreakerPolicy {
     /// Answer to a non-finite loss or gradient norm (default skip the batch).
     pub on_non_finite: Response,

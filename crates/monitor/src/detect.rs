@@ -189,8 +189,11 @@ impl Detector for NonFiniteDetector {
     }
 }
 
-/// Settings of a [`SpikeDetector`].
+/// Settings of a [`SpikeDetector`]. Serde requires every field (the loss and the gradient norm
+/// have different defaults, [`SpikeConfig::loss`] and [`SpikeConfig::grad_norm`], so a partial
+/// table would be ambiguous).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SpikeConfig {
     /// Robust standard deviations above the median that count as a spike (default 3).
     pub k: f64,

@@ -1,6 +1,7 @@
 //! [`AdamW`]: PyTorch's `torch.optim.AdamW` on a flat f32 buffer, one fused pass per step.
 
-use crate::error::{check_len, OptimError, Result};
+use crate::error::{check_len, invalid, OptimError, Result};
+use crate::groups::{check_overrides, DecayOverride};
 use crate::optimizer::Optimizer;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
@@ -10,6 +11,7 @@ use std::ops::Range;
 /// defaults (betas 0.9 and 0.999, eps 1e-8, weight decay 0.01). The learning rate is passed to
 /// each step.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct AdamWConfig {
     /// Decay of the first moment, in [0, 1).
     pub beta1: f64,
@@ -36,23 +38,16 @@ impl Default for AdamWConfig {
 impl AdamWConfig {
     /// Checks every hyperparameter; the error names the first one out of range.
     pub fn validate(&self) -> Result<()> {
-        let bad = |name, value, reason| {
-            Err(OptimError::InvalidHyperparameter {
-                name,
-                value,
-                reason,
-            })
-        };
         for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&b) {
-                return bad(name, b, "must be in [0, 1)");
+                return invalid(name, b, "must be in [0, 1)");
             }
         }
         if !(self.eps.is_finite() && self.eps >= 0.0) {
-            return bad("eps", self.eps, "must be finite and at least 0");
+            return invalid("eps", self.eps, "must be finite and at least 0");
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad(
+            return invalid(
                 "weight_decay",
                 self.weight_decay,
                 "must be finite and at least 0",
@@ -116,36 +111,6 @@ impl StepConsts {
             eps: cfg.eps as f32,
             neg_step_size: (-(lr / bc1)) as f32,
         }
-    }
-}
-
-/// A range of the buffer with its own weight decay (PyTorch's parameter groups, for the one
-/// option that differs between groups in LLM training: no decay on biases, norms and
-/// embeddings).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DecayOverride {
-    /// Indices into the optimizer's buffer.
-    pub range: Range<usize>,
-    /// The weight decay of these elements, at least 0.
-    pub weight_decay: f64,
-}
-
-impl DecayOverride {
-    /// The overrides of a whole buffer (sorted, disjoint) as seen by the shard holding
-    /// `shard` of it: clipped to the shard and shifted to start at 0. An optimizer over that
-    /// shard with these overrides computes bitwise what the whole buffer's optimizer computes.
-    pub fn for_shard(whole: &[DecayOverride], shard: Range<usize>) -> Vec<DecayOverride> {
-        whole
-            .iter()
-            .filter_map(|o| {
-                let start = o.range.start.max(shard.start);
-                let end = o.range.end.min(shard.end);
-                (start < end).then(|| DecayOverride {
-                    range: start - shard.start..end - shard.start,
-                    weight_decay: o.weight_decay,
-                })
-            })
-            .collect()
     }
 }
 
@@ -271,35 +236,7 @@ impl AdamW {
         self.threads = threads.max(1);
     }
 
-    /// Gives the elements in each `range` (indices into this optimizer's buffer) their own
-    /// weight decay, typically 0 for biases, norms and embeddings; the others keep
-    /// [`AdamWConfig::weight_decay`]. Ranges must be sorted, disjoint and inside the buffer.
-    /// For a shard, cut the whole buffer's list with [`DecayOverride::for_shard`].
-    pub fn set_decay_overrides(&mut self, overrides: Vec<DecayOverride>) -> Result<()> {
-        let mut end = 0;
-        for o in &overrides {
-            if o.range.start < end || o.range.end < o.range.start || o.range.end > self.m.len() {
-                return Err(OptimError::BadRange {
-                    what: "weight decay override",
-                    start: o.range.start,
-                    end: o.range.end,
-                    len: self.m.len(),
-                });
-            }
-            if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
-                return Err(OptimError::InvalidHyperparameter {
-                    name: "weight_decay",
-                    value: o.weight_decay,
-                    reason: "must be finite and at least 0",
-                });
-            }
-            end = o.range.end;
-        }
-        self.decay_overrides = overrides;
-        Ok(())
-    }
-
-    /// The weight-decay overrides (see [`AdamW::set_decay_overrides`]).
+    /// The weight-decay overrides (see [`Optimizer::set_decay_overrides`]).
     pub fn decay_overrides(&self) -> &[DecayOverride] {
         &self.decay_overrides
     }
@@ -370,6 +307,16 @@ impl AdamW {
 }
 
 impl Optimizer for AdamW {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn set_decay_overrides(&mut self, overrides: Vec<DecayOverride>) -> Result<()> {
+        check_overrides(&overrides, self.m.len())?;
+        self.decay_overrides = overrides;
+        Ok(())
+    }
+
     fn len(&self) -> usize {
         self.m.len()
     }

@@ -38,6 +38,24 @@ pub enum OptimError {
         /// The buffer's length.
         len: usize,
     },
+    /// A name that does not match any parameter.
+    #[error("{what}: no parameter named {name:?}")]
+    UnknownParameter {
+        /// Where the name came from.
+        what: &'static str,
+        /// The name.
+        name: String,
+    },
+    /// Text that does not parse as what it should be.
+    #[error("cannot read {text:?} as an {what}: {reason}")]
+    Parse {
+        /// What the text should describe.
+        what: &'static str,
+        /// The text.
+        text: String,
+        /// Why it does not parse.
+        reason: String,
+    },
     /// A collective (all-reducing the gradient norm) failed.
     #[error(transparent)]
     Comm(#[from] kiln_comm::CommError),
@@ -62,4 +80,13 @@ pub(crate) fn check_len(
             got,
         })
     }
+}
+
+/// An [`OptimError::InvalidHyperparameter`] as an `Err`.
+pub(crate) fn invalid<T>(name: &'static str, value: f64, reason: &'static str) -> Result<T> {
+    Err(OptimError::InvalidHyperparameter {
+        name,
+        value,
+        reason,
+    })
 }

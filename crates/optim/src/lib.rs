@@ -35,13 +35,17 @@
 mod adamw;
 mod clip;
 mod error;
+mod groups;
 mod optimizer;
 mod schedule;
+mod sgd;
 
-pub use adamw::{AdamW, AdamWConfig, AdamWState, DecayOverride, PARALLEL_MIN_LEN};
+pub use adamw::{AdamW, AdamWConfig, AdamWState, PARALLEL_MIN_LEN};
 pub use clip::{
     clip_grad_norm, clip_grad_norm_local, clip_to_norm, global_grad_norm, ClipReport, SquareSum,
 };
 pub use error::{OptimError, Result};
-pub use optimizer::Optimizer;
-pub use schedule::{Constant, Decay, LrSchedule, Warmup, WarmupDecay};
+pub use groups::{DecayOverride, ParamKind, WeightDecayGroups};
+pub use optimizer::{Optimizer, OptimizerConfig, OptimizerFactory};
+pub use schedule::{Constant, Decay, DecayShape, LrSchedule, ScheduleConfig, Warmup, WarmupDecay};
+pub use sgd::{Sgd, SgdConfig};

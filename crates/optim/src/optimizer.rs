@@ -1,7 +1,11 @@
 //! The [`Optimizer`] trait: an optimizer over one flat f32 buffer (or a shard of it) that owns
 //! its state, so that ZeRO can give each rank the state of its own shard.
 
-use crate::error::Result;
+use crate::adamw::{AdamW, AdamWConfig};
+use crate::error::{OptimError, Result};
+use crate::groups::DecayOverride;
+use crate::sgd::{Sgd, SgdConfig};
+use serde::{Deserialize, Serialize};
 
 /// An optimizer over a flat f32 buffer of a fixed length: the whole parameter buffer, or the
 /// shard of it that this rank owns.
@@ -9,6 +13,10 @@ use crate::error::Result;
 /// Element-wise optimizers (AdamW) guarantee that a shard holding elements `a..b` of the buffer
 /// computes bitwise the same values as the unsharded optimizer does for `a..b`.
 pub trait Optimizer: Send {
+    /// The optimizer's name (`adamw`, `sgd`): checkpoints record it, and loading another
+    /// optimizer's state is an error.
+    fn name(&self) -> &'static str;
+
     /// Number of parameters this optimizer holds state for.
     fn len(&self) -> usize;
 
@@ -30,10 +38,140 @@ pub trait Optimizer: Send {
     /// nothing changes.
     fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) -> Result<()>;
 
+    /// Gives the elements in each range their own weight decay (parameter groups: see
+    /// [`DecayOverride`]); the others keep the optimizer's own. Ranges must be sorted, disjoint
+    /// and inside the buffer.
+    fn set_decay_overrides(&mut self, overrides: Vec<DecayOverride>) -> Result<()>;
+
     /// The state buffers, each of [`Optimizer::len`] elements, by name (for checkpoints that
     /// store tensors: AdamW gives `exp_avg` and `exp_avg_sq`, PyTorch's names).
     fn state_buffers(&self) -> Vec<(&'static str, &[f32])>;
 
     /// The state buffers, writable (to restore them from a checkpoint in place).
     fn state_buffers_mut(&mut self) -> Vec<(&'static str, &mut [f32])>;
+}
+
+/// Builds an optimizer for a buffer of a given length: what a sharded engine calls once per
+/// shard (`kiln_parallel::DataParallel::with_optimizer`). Implement it to plug in an optimizer
+/// of your own; [`OptimizerConfig`], [`AdamWConfig`] and [`SgdConfig`] implement it.
+pub trait OptimizerFactory: Send + Sync + std::fmt::Debug {
+    /// A new optimizer over `len` elements, its state zero and step count 0.
+    fn build(&self, len: usize) -> Result<Box<dyn Optimizer>>;
+}
+
+impl OptimizerFactory for AdamWConfig {
+    fn build(&self, len: usize) -> Result<Box<dyn Optimizer>> {
+        Ok(Box::new(AdamW::new(len, *self)?))
+    }
+}
+
+impl OptimizerFactory for SgdConfig {
+    fn build(&self, len: usize) -> Result<Box<dyn Optimizer>> {
+        Ok(Box::new(Sgd::new(len, *self)?))
+    }
+}
+
+/// The optimizers kiln ships, as one configuration value (serde: `{"type": "adamw", "beta2":
+/// 0.95, ...}`; omitted fields take the optimizer's defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum OptimizerConfig {
+    /// [`AdamW`].
+    #[serde(rename = "adamw")]
+    AdamW(AdamWConfig),
+    /// [`Sgd`].
+    Sgd(SgdConfig),
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig::AdamW(AdamWConfig::default())
+    }
+}
+
+impl OptimizerConfig {
+    /// The weight decay the optimizer applies to parameters without an override.
+    pub fn weight_decay(&self) -> f64 {
+        match self {
+            OptimizerConfig::AdamW(c) => c.weight_decay,
+            OptimizerConfig::Sgd(c) => c.weight_decay,
+        }
+    }
+
+    /// Checks the hyperparameters.
+    pub fn validate(&self) -> Result<()> {
+        match self {
+            OptimizerConfig::AdamW(c) => c.validate(),
+            OptimizerConfig::Sgd(c) => c.validate(),
+        }
+    }
+}
+
+/// Reads a configuration from JSON (`{"type": "sgd", "momentum": 0.9}`) or a bare name
+/// (`adamw`, `sgd`: that optimizer's defaults), for command lines.
+impl std::str::FromStr for OptimizerConfig {
+    type Err = OptimError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let t = s.trim();
+        let json = if t.starts_with('{') {
+            t.to_string()
+        } else {
+            serde_json::json!({ "type": t.to_ascii_lowercase() }).to_string()
+        };
+        serde_json::from_str(&json).map_err(|e| OptimError::Parse {
+            what: "optimizer configuration",
+            text: s.to_string(),
+            reason: e.to_string(),
+        })
+    }
+}
+
+impl OptimizerFactory for OptimizerConfig {
+    fn build(&self, len: usize) -> Result<Box<dyn Optimizer>> {
+        match self {
+            OptimizerConfig::AdamW(c) => c.build(len),
+            OptimizerConfig::Sgd(c) => c.build(len),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_reads_with_defaults_and_rejects_unknown_fields() {
+        let c: OptimizerConfig =
+            serde_json::from_str(r#"{"type": "adamw", "beta2": 0.95}"#).unwrap();
+        assert_eq!(
+            c,
+            OptimizerConfig::AdamW(AdamWConfig {
+                beta2: 0.95,
+                ..Default::default()
+            })
+        );
+        let c: OptimizerConfig =
+            serde_json::from_str(r#"{"type": "sgd", "momentum": 0.9}"#).unwrap();
+        assert_eq!(c.build(3).unwrap().name(), "sgd");
+        assert!(
+            serde_json::from_str::<OptimizerConfig>(r#"{"type": "adamw", "betta": 1}"#).is_err()
+        );
+        assert!(serde_json::from_str::<OptimizerConfig>(r#"{"type": "lion"}"#).is_err());
+        // the command-line form: JSON or a bare name
+        assert_eq!(
+            "sgd".parse::<OptimizerConfig>().unwrap(),
+            OptimizerConfig::Sgd(SgdConfig::default())
+        );
+        let c: OptimizerConfig = r#"{"type": "adamw", "eps": 1e-3}"#.parse().unwrap();
+        assert_eq!(
+            c,
+            OptimizerConfig::AdamW(AdamWConfig {
+                eps: 1e-3,
+                ..Default::default()
+            })
+        );
+        let e = "lion".parse::<OptimizerConfig>().unwrap_err().to_string();
+        assert!(e.contains("lion") && e.contains("adamw"), "{e}");
+    }
 }

@@ -1,5 +1,5 @@
-//! The engine's state per parameter, so that it reshards: every parameter (and its AdamW
-//! moments) is stored under its own name with the shape of the **whole** (tensor-parallel
+//! The engine's state per parameter, so that it reshards: every parameter (and each of its
+//! optimizer's buffers, AdamW's two moments) is stored under its own name with the shape of the **whole** (tensor-parallel
 //! unsplit) tensor, and each rank's piece records which slice it is ([`Shard`]), so the state
 //! loads at any data-parallel degree, ZeRO stage and tensor-parallel degree:
 //!
@@ -19,15 +19,16 @@
 //! tensor-parallel shard otherwise) and copies its ZeRO chunk out of them, so the values are
 //! bitwise the saved ones.
 //!
-//! [`DataParallel`] as a [`Stateful`]: tensors `param/<name>`, `exp_avg/<name>`,
-//! `exp_avg_sq/<name>`; metadata `step` (optimizer steps) and `adamw` (its configuration).
+//! [`DataParallel`] as a [`Stateful`]: tensors `param/<name>` and `<buffer>/<name>` for each of
+//! the optimizer's state buffers (AdamW: `exp_avg/<name>`, `exp_avg_sq/<name>`; SGD with
+//! momentum: `momentum_buffer/<name>`); metadata `step` (optimizer steps) and `optimizer` (its
+//! name: loading another optimizer's state is an error).
 
 use crate::engine::{DataParallel, Stage};
 use crate::error::{ParallelError, Result};
 use crate::flat::FlatLayout;
 use crate::tp::TpSplit;
 use kiln_comm::{chunk_range, CommExt, Communicator};
-use kiln_optim::Optimizer;
 use kiln_state::{DType, Shard, StateDict, StateError, Stateful, TensorData, TensorSpec, Want};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -37,8 +38,6 @@ fn engine_err(e: impl std::fmt::Display) -> StateError {
 }
 
 const PARAM: &str = "param/";
-const EXP_AVG: &str = "exp_avg/";
-const EXP_AVG_SQ: &str = "exp_avg_sq/";
 
 /// One parameter's place in the flat units and in the checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -364,7 +363,29 @@ impl DataParallel {
     }
 }
 
-/// The master weights and the AdamW moments and step count, per parameter. `state` is
+impl DataParallel {
+    /// The optimizer's name and the checkpoint prefixes of its state buffers.
+    fn optimizer_layout(&self) -> (&'static str, Vec<String>) {
+        let first = self.optimizers().first();
+        let name = first.map_or("none", |o| o.name());
+        let prefixes = first.map_or_else(Vec::new, |o| {
+            o.state_buffers()
+                .iter()
+                .map(|(b, _)| format!("{b}/"))
+                .collect()
+        });
+        (name, prefixes)
+    }
+
+    /// Every tensor prefix of the engine's state: the parameters, then the optimizer's buffers.
+    fn state_prefixes(&self) -> Vec<String> {
+        let mut all = vec![PARAM.to_string()];
+        all.extend(self.optimizer_layout().1);
+        all
+    }
+}
+
+/// The master weights and the optimizer's buffers and step count, per parameter. `state` is
 /// collective over the data-parallel group when `tp > 1`; `load_state` is collective over it
 /// always (the model's variables are refreshed from the loaded master).
 impl Stateful for DataParallel {
@@ -375,36 +396,55 @@ impl Stateful for DataParallel {
         let master: Vec<&[f32]> = self.master().iter().map(Vec::as_slice).collect();
         plan.save_buffers(dp, &mut sd, PARAM, &master)?;
         let opt = self.optimizers();
-        let m: Vec<&[f32]> = opt.iter().map(|o| o.exp_avg()).collect();
-        let v: Vec<&[f32]> = opt.iter().map(|o| o.exp_avg_sq()).collect();
-        plan.save_buffers(dp, &mut sd, EXP_AVG, &m)?;
-        plan.save_buffers(dp, &mut sd, EXP_AVG_SQ, &v)?;
+        let (name, prefixes) = self.optimizer_layout();
+        for (b, prefix) in prefixes.iter().enumerate() {
+            let bufs: Vec<&[f32]> = opt.iter().map(|o| o.state_buffers()[b].1).collect();
+            plan.save_buffers(dp, &mut sd, prefix, &bufs)?;
+        }
         sd.set_meta("step", opt.first().map_or(0, |o| o.step_count()))?;
-        sd.set_meta("adamw", self.config().adamw)?;
+        sd.set_meta("optimizer", name)?;
         Ok(sd)
     }
 
     fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {
         let plan = self.shard_plan().map_err(engine_err)?;
         let steps: u64 = state.meta("step")?;
+        let (name, prefixes) = self.optimizer_layout();
+        // checkpoints written before the optimizer became pluggable hold AdamW's state
+        let saved: String = if state.meta_map().contains_key("optimizer") {
+            state.meta("optimizer")?
+        } else {
+            "adamw".into()
+        };
+        if saved != name {
+            return Err(engine_err(format!(
+                "the checkpoint holds the state of optimizer {saved:?}, this engine runs {name:?}"
+            )));
+        }
         let mut master: Vec<Vec<f32>> = self.master().to_vec();
         plan.load_buffers(&state, PARAM, &mut master)?;
-        let opt = self.optimizers();
-        let mut m: Vec<Vec<f32>> = opt.iter().map(|o| o.exp_avg().to_vec()).collect();
-        let mut v: Vec<Vec<f32>> = opt.iter().map(|o| o.exp_avg_sq().to_vec()).collect();
-        plan.load_buffers(&state, EXP_AVG, &mut m)?;
-        plan.load_buffers(&state, EXP_AVG_SQ, &mut v)?;
-        for ((o, m), v) in self.optimizers_mut().iter_mut().zip(m).zip(v) {
-            let (om, ov) = o.moments_mut();
-            if om.len() != m.len() || ov.len() != v.len() {
-                return Err(engine_err(format!(
-                    "optimizer moments of {} elements, checkpoint chunk of {}",
-                    om.len(),
-                    m.len()
-                )));
+        let mut loaded: Vec<Vec<Vec<f32>>> = Vec::with_capacity(prefixes.len());
+        for (b, prefix) in prefixes.iter().enumerate() {
+            let mut bufs: Vec<Vec<f32>> = self
+                .optimizers()
+                .iter()
+                .map(|o| o.state_buffers()[b].1.to_vec())
+                .collect();
+            plan.load_buffers(&state, prefix, &mut bufs)?;
+            loaded.push(bufs);
+        }
+        for (u, o) in self.optimizers_mut().iter_mut().enumerate() {
+            for (b, (buf_name, buf)) in o.state_buffers_mut().into_iter().enumerate() {
+                let src = &loaded[b][u];
+                if buf.len() != src.len() {
+                    return Err(engine_err(format!(
+                        "optimizer buffer {buf_name} of {} elements, checkpoint chunk of {}",
+                        buf.len(),
+                        src.len()
+                    )));
+                }
+                buf.copy_from_slice(src);
             }
-            om.copy_from_slice(&m);
-            ov.copy_from_slice(&v);
             o.set_step_count(steps);
         }
         self.load_master(master).map_err(engine_err)
@@ -412,12 +452,16 @@ impl Stateful for DataParallel {
 
     fn state_spec(&self) -> kiln_state::Result<BTreeMap<String, TensorSpec>> {
         let plan = self.shard_plan().map_err(engine_err)?;
-        Ok(plan.spec(&[PARAM, EXP_AVG, EXP_AVG_SQ]))
+        let prefixes = self.state_prefixes();
+        let refs: Vec<&str> = prefixes.iter().map(String::as_str).collect();
+        Ok(plan.spec(&refs))
     }
 
     fn state_wants(&self) -> Option<BTreeMap<String, Want>> {
         let plan = self.shard_plan().ok()?;
-        Some(plan.wants(&[PARAM, EXP_AVG, EXP_AVG_SQ]))
+        let prefixes = self.state_prefixes();
+        let refs: Vec<&str> = prefixes.iter().map(String::as_str).collect();
+        Some(plan.wants(&refs))
     }
 }
 

@@ -129,9 +129,19 @@ struct RunOut {
 }
 
 fn train(dp: usize, cfg: DataParallelConfig, accum: usize) -> RunOut {
+    train_with(dp, cfg, accum, Ok)
+}
+
+/// [`train`] with `setup` applied to each rank's engine before the first step.
+fn train_with(
+    dp: usize,
+    cfg: DataParallelConfig,
+    accum: usize,
+    setup: impl Fn(DataParallel) -> kiln_parallel::Result<DataParallel> + Sync,
+) -> RunOut {
     let outs = run_ranks(dp, |comm: ThreadComm| {
         let segs = params();
-        let mut engine = DataParallel::new(&segs, &comm, cfg)?;
+        let mut engine = setup(DataParallel::new(&segs, &comm, cfg)?)?;
         drop(segs);
         let per = BATCH / dp;
         let mut scaler = NoScaler;
@@ -169,6 +179,11 @@ fn cfg(stage: Stage) -> DataParallelConfig {
 /// The reference of the reference: a plain loop with one whole-model `backward()` and kiln's
 /// AdamW on each parameter, no engine.
 fn plain_single_rank() -> Vec<f32> {
+    plain_single_rank_with(|_, n| Box::new(AdamW::new(n, AdamWConfig::default()).unwrap()))
+}
+
+/// [`plain_single_rank`] with the optimizer `build` gives each parameter (by name and size).
+fn plain_single_rank_with(build: impl Fn(&str, usize) -> Box<dyn Optimizer>) -> Vec<f32> {
     let segs = params();
     let mut names: Vec<(String, Var)> = Vec::new();
     for s in &segs {
@@ -178,9 +193,9 @@ fn plain_single_rank() -> Vec<f32> {
             }
         }
     }
-    let mut opts: Vec<AdamW> = names
+    let mut opts: Vec<Box<dyn Optimizer>> = names
         .iter()
-        .map(|(_, v)| AdamW::new(v.elem_count(), AdamWConfig::default()).unwrap())
+        .map(|(n, v)| build(n, v.elem_count()))
         .collect();
     for s in 0..STEPS {
         let (x, y) = batch(s, 0, BATCH);
@@ -541,5 +556,126 @@ fn backward_then_apply_equals_step_and_discard_changes_nothing() {
         assert!(twice.contains("backward called again"), "{twice}");
         assert!(lone.contains("apply called without a backward"), "{lone}");
         assert_eq!(steps, 3, "a discarded step does not count");
+    }
+}
+
+/// The optimizer is pluggable (SGD with Nesterov momentum here) and parameter groups give
+/// chosen parameters their own weight decay: on one rank each equals a plain loop with that
+/// optimizer per parameter, and every ZeRO stage equals plain data parallelism bitwise.
+#[test]
+fn pluggable_optimizer_and_decay_groups_match_the_plain_loop_and_every_stage() {
+    use kiln_optim::{OptimizerConfig, ParamKind, SgdConfig, WeightDecayGroups};
+    use std::sync::Arc;
+    let sgd = SgdConfig {
+        momentum: 0.9,
+        nesterov: true,
+        weight_decay: 0.05,
+        ..Default::default()
+    };
+    let adamw = AdamWConfig {
+        weight_decay: 0.3,
+        ..Default::default()
+    };
+    // the model's kinds: the embedding and the biases do not decay by default
+    let kinds: Vec<(String, ParamKind)> = params()
+        .concat()
+        .into_iter()
+        .map(|(n, _)| {
+            let k = match n.as_str() {
+                "wte" => ParamKind::Embedding,
+                b if b.ends_with(".b1") => ParamKind::Bias,
+                _ => ParamKind::Weight,
+            };
+            (n, k)
+        })
+        .collect();
+    let decays = |n: &str| !(n == "wte" || n.ends_with(".b1"));
+    let with_sgd = |e: DataParallel| e.with_optimizer(Arc::new(sgd));
+    let with_groups = |e: DataParallel| e.with_decay_groups(&kinds, &WeightDecayGroups::default());
+    let adamw_cfg = |stage| DataParallelConfig {
+        optimizer: OptimizerConfig::AdamW(adamw),
+        ..cfg(stage)
+    };
+    // one rank against the plain loop
+    let got = sorted(train_with(1, cfg(Stage::Replicated), 1, with_sgd).params);
+    let want = plain_single_rank_with(|_, n| Box::new(kiln_optim::Sgd::new(n, sgd).unwrap()));
+    let rel = max_rel_diff(&got, &want);
+    println!("SGD engine (1 rank) vs plain loop: max relative difference {rel:e}");
+    assert!(rel < 1e-6, "{rel}");
+    let got = sorted(train_with(1, adamw_cfg(Stage::Replicated), 1, with_groups).params);
+    let want = plain_single_rank_with(|name, n| {
+        let wd = if decays(name) { 0.3 } else { 0.0 };
+        let c = AdamWConfig {
+            weight_decay: wd,
+            ..adamw
+        };
+        Box::new(AdamW::new(n, c).unwrap())
+    });
+    let rel = max_rel_diff(&got, &want);
+    println!("AdamW with decay groups (1 rank) vs plain loop: max relative difference {rel:e}");
+    assert!(rel < 1e-6, "{rel}");
+    // the groups change the result: without them every parameter decays
+    let all = sorted(train(1, adamw_cfg(Stage::Replicated), 1).params);
+    assert!(max_rel_diff(&all, &got) > 1e-4);
+    // every stage equals plain data parallelism, bitwise
+    for dp in [2, 3] {
+        let plain_sgd = train_with(dp, cfg(Stage::Replicated), 1, with_sgd);
+        let plain_groups = train_with(dp, adamw_cfg(Stage::Replicated), 1, with_groups);
+        for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            let z = train_with(dp, cfg(stage), 1, with_sgd);
+            kiln_testkit::assert_bitwise_eq(&flat(&z.params), &flat(&plain_sgd.params));
+            let z = train_with(dp, adamw_cfg(stage), 1, with_groups);
+            kiln_testkit::assert_bitwise_eq(&flat(&z.params), &flat(&plain_groups.params));
+        }
+    }
+}
+
+/// SGD's state is `momentum_buffer/<name>` per parameter, round-trips bitwise under ZeRO, and
+/// loading it into an engine running another optimizer is an error naming both.
+#[test]
+fn another_optimizers_state_round_trips_and_a_mismatch_is_an_error() {
+    use kiln_optim::SgdConfig;
+    use kiln_state::Stateful;
+    use std::sync::Arc;
+    let sgd = SgdConfig {
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let outs = run_ranks(2, |comm: ThreadComm| {
+        let (per, mut scaler) = (BATCH / 2, NoScaler);
+        let lo = comm.rank() * per;
+        let new = || -> kiln_parallel::Result<DataParallel> {
+            DataParallel::new(&params(), &comm, cfg(Stage::Zero2))?.with_optimizer(Arc::new(sgd))
+        };
+        let mut a = new()?;
+        for s in 0..3 {
+            a.step(&Toy, &[batch(s, lo, lo + per)], LR, &mut scaler)?;
+        }
+        let saved = a.state()?;
+        assert!(saved.names().any(|n| n == "momentum_buffer/wte"));
+        assert!(!saved.names().any(|n| n.starts_with("exp_avg")));
+        // replacing the optimizer after a step is refused
+        let e = new()?;
+        let mut e2 = e;
+        e2.step(&Toy, &[batch(0, lo, lo + per)], LR, &mut scaler)?;
+        let refused = e2.with_optimizer(Arc::new(sgd)).unwrap_err().to_string();
+        assert!(refused.contains("before the first step"), "{refused}");
+        // AdamW's engine refuses SGD's state
+        let mut adam = DataParallel::new(&params(), &comm, cfg(Stage::Zero2))?;
+        let err = adam.load_state(saved.clone()).unwrap_err().to_string();
+        assert!(
+            err.contains("\"sgd\"") && err.contains("\"adamw\""),
+            "{err}"
+        );
+        let mut b = new()?;
+        b.load_state(saved)?;
+        for s in 3..5 {
+            a.step(&Toy, &[batch(s, lo, lo + per)], LR, &mut scaler)?;
+            b.step(&Toy, &[batch(s, lo, lo + per)], LR, &mut scaler)?;
+        }
+        Ok((flat(&a.full_params()?), flat(&b.full_params()?)))
+    });
+    for (a, b) in outs {
+        kiln_testkit::assert_bitwise_eq(&a, &b);
     }
 }

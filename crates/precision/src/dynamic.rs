@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 /// (initial scale 2^16, growth 2.0 every 2000 clean steps, backoff 0.5), no hysteresis, no
 /// maximum, and a minimum scale of 1.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct DynamicScalerConfig {
     /// The first scale (torch `init_scale`, default 65536).
     pub init_scale: f32,

@@ -46,6 +46,7 @@ mod error;
 mod shard;
 mod stateful;
 mod tensor;
+mod util;
 mod want;
 
 pub use dict::{check_tensor_name, StateDict, TensorSpec};
@@ -53,4 +54,5 @@ pub use error::{Result, StateError};
 pub use shard::{chunk_range, dim_runs, FlatShard, Shard, ShardSpec};
 pub use stateful::{RngState, Stateful, Step};
 pub use tensor::{numel, DType, Element, TensorData};
+pub use util::{panic_message, splitmix64};
 pub use want::Want;

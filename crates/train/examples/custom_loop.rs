@@ -3,7 +3,7 @@
 //! clipping, detectors and a breaker between backward and update, sinks, and checkpoints of
 //! every component that resume bitwise and reshard. Walk-through: `docs/custom-trainer.md`.
 //! Run: `cargo run --release -p kiln-train --example custom_loop -- --dp 2 --zero 2` (and
-//! `--steps N`, `--every K`, `--out DIR`, `--resume`, `--f32`, `--eps X`).
+//! `--steps N`, `--every K`, `--out DIR`, `--resume`, `--f32`, `--optimizer '{"type": "sgd", "momentum": 0.9}'`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use anyhow::Result;
@@ -16,7 +16,7 @@ use kiln_memory::CheckpointPolicy;
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_monitor::{BatchInfo, BreakerPolicy, CircuitBreaker, ConsoleSink, DetectorSet};
 use kiln_monitor::{JsonlSink, MetricSink, MultiSink, Response, StepMetrics};
-use kiln_optim::{LrSchedule, WarmupDecay};
+use kiln_optim::{LrSchedule, OptimizerConfig, WarmupDecay, WeightDecayGroups};
 use kiln_parallel::{DataParallel, DataParallelConfig, Stage};
 use kiln_precision::{DynamicLossScaler, LossScaler, NoScaler};
 use std::sync::Arc;
@@ -36,7 +36,8 @@ fn flag<T: std::str::FromStr>(name: &str, default: T) -> Result<T, T::Err> {
 fn main() -> Result<()> {
     let (dp, zero, steps): (usize, u8, u64) =
         (flag("--dp", 2)?, flag("--zero", 2)?, flag("--steps", 30)?);
-    let (every, eps): (u64, f64) = (flag("--every", 10)?, flag("--eps", 1e-8)?);
+    let every: u64 = flag("--every", 10)?;
+    let optimizer: OptimizerConfig = flag("--optimizer", OptimizerConfig::default())?;
     let out: std::path::PathBuf = flag("--out", "runs/custom_loop".into())?;
     let has = |f: &str| std::env::args().any(|a| a == f);
     let (resume, f32) = (has("--resume"), has("--f32"));
@@ -49,15 +50,16 @@ fn main() -> Result<()> {
         let dtype = if f32 { DType::F32 } else { DType::F16 };
         let opts = GptOptions::seeded(1).with_compute_dtype(dtype);
         let model = Gpt::new(&GptConfig::tiny(), &opts)?;
-        let mut dpc = DataParallelConfig {
+        let dpc = DataParallelConfig {
             stage: Stage::from_number(zero)?,
             max_grad_norm: Some(1.0),
             checkpoint: CheckpointPolicy::EveryBlock,
+            optimizer, // AdamW by default: no decay on biases, norms, embeddings (below)
             ..DataParallelConfig::default()
         };
-        dpc.adamw.eps = eps;
         let mut engine = DataParallel::new(&model.segment_param_lists(), &*world, dpc)?
-            .with_param_splits(&model.param_splits())?;
+            .with_param_splits(&model.param_splits())?
+            .with_decay_groups(&model.param_kinds(), &WeightDecayGroups::default())?;
         let mut scaler: Box<dyn LossScaler> = Box::new(DynamicLossScaler::default());
         if f32 {
             scaler = Box::new(NoScaler); // f32 needs no loss scaling
@@ -72,9 +74,7 @@ fn main() -> Result<()> {
             on_loss_spike: Response::SkipBatch,
             ..Default::default()
         };
-        let mut breaker = CircuitBreaker::new(policy)?;
-        let mut step = Step(0);
-
+        let (mut breaker, mut step) = (CircuitBreaker::new(policy)?, Step(0));
         // every component saves and restores itself; the engine asks for the slices of each
         // parameter it needs, so a checkpoint of another dp or ZeRO stage loads too
         let layout = Layout::new(dp, 1, zero)?;

@@ -6,6 +6,7 @@ use candle_core::Var;
 use kiln_comm::Communicator;
 use kiln_memory::SegmentedModel;
 use kiln_model::{Gpt, GptConfig, GptOptions};
+use kiln_optim::ParamKind;
 use kiln_parallel::tp::TpSplit;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
@@ -27,6 +28,13 @@ pub trait TrainModel: SegmentedModel {
     /// whole tensor's shape and each rank's slice, so they load at another tp degree. The
     /// answer must not depend on the degree, and holds at `tp = 1` too.
     fn param_splits(&self) -> Vec<(String, TpSplit)> {
+        Vec::new()
+    }
+
+    /// What each parameter is (weight, bias, norm, embedding), for the optimizer's parameter
+    /// groups ([`kiln_parallel::DataParallel::with_decay_groups`]; by default biases, norms
+    /// and embeddings do not decay). Unnamed parameters decay; the default names none.
+    fn param_kinds(&self) -> Vec<(String, ParamKind)> {
         Vec::new()
     }
 
@@ -56,6 +64,10 @@ impl TrainModel for Gpt {
 
     fn param_splits(&self) -> Vec<(String, TpSplit)> {
         Gpt::param_splits(self)
+    }
+
+    fn param_kinds(&self) -> Vec<(String, ParamKind)> {
+        Gpt::param_kinds(self)
     }
 
     fn config_hash(&self) -> String {

@@ -48,7 +48,7 @@ fn thirty_steps_with_every_part_then_bitwise_resume() {
         ("activation_checkpointing", "every_block"),
         ("steps", "30"),
         ("warmup", "5"),
-        ("optim.decay", "cosine"),
+        ("optim.schedule.decay", "cosine"),
         ("clip", "1.0"),
         ("ckpt_every", "10"),
         ("checkpoint.keep_last", "0"),

@@ -149,7 +149,7 @@ fn killed_at_step_20_and_resumed_ends_bitwise_equal() {
 
 #[test]
 fn a_dp2_zero2_checkpoint_continues_at_dp1_and_dp4() {
-    let f32_args = ["--f32", "--eps", "1e-3"];
+    let f32_args = ["--f32", "--optimizer", r#"{"type": "adamw", "eps": 1e-3}"#];
     let base = dir("reshard-base");
     run(
         &base,

@@ -52,7 +52,7 @@ fn validation_loss_is_the_same_under_every_stage() {
         c.train.micro_batch = 4 / dp;
         c.train.accumulation = 1; // ZeRO-2/3 reduce every micro-batch: bitwise only without
         c.train.steps = 4;
-        c.optim.warmup_steps = 2;
+        c.optim.schedule.warmup_steps = 2;
         c.eval.batches = 3;
         c
     };

@@ -43,7 +43,10 @@ fn config(root: &std::path::Path, dp: usize, tp: usize, zero: u8) -> RunConfig {
     c.train.accumulation = 2;
     c.train.steps = 20;
     // see PARAM_ATOL: a larger AdamW epsilon keeps rounding noise at noise level
-    c.optim.eps = 1e-3;
+    let kiln_optim::OptimizerConfig::AdamW(adamw) = &mut c.optim.optimizer else {
+        panic!("the default optimizer is AdamW")
+    };
+    adamw.eps = 1e-3;
     c.checkpoint.keep_last = 0;
     c.checkpoint.async_save = false;
     c.metrics.jsonl = false;

@@ -4,7 +4,7 @@
 use crate::error::{ParallelError, Result};
 use crate::flat::DEFAULT_BUCKET_BYTES;
 use kiln_memory::CheckpointPolicy;
-use kiln_optim::AdamWConfig;
+use kiln_optim::OptimizerConfig;
 use kiln_precision::ScaleEvent;
 
 /// How model states are split over the data-parallel group.
@@ -61,8 +61,9 @@ pub struct DataParallelConfig {
     pub overlap: bool,
     /// Clip gradients to this global L2 norm.
     pub max_grad_norm: Option<f32>,
-    /// The optimizer.
-    pub adamw: AdamWConfig,
+    /// The optimizer each shard runs ([`DataParallel::with_optimizer`](super::DataParallel::with_optimizer)
+    /// plugs in one of your own instead).
+    pub optimizer: OptimizerConfig,
     /// Also report the global parameter norm and the update-to-parameter norm ratio of every
     /// applied step ([`StepReport::param_norm`], [`StepReport::update_ratio`]): computed
     /// inside the update, unit by unit, at the cost of two collectives (off by default).
@@ -78,7 +79,7 @@ impl Default for DataParallelConfig {
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             overlap: true,
             max_grad_norm: None,
-            adamw: AdamWConfig::default(),
+            optimizer: OptimizerConfig::default(),
             update_norms: false,
             checkpoint: CheckpointPolicy::None,
         }

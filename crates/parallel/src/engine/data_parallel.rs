@@ -9,7 +9,7 @@ use crate::tp::TpSplit;
 use candle_core::{Device, Tensor, Var};
 use kiln_comm::{chunk_range, CommExt, Communicator, ReduceOp};
 use kiln_memory::{Executor, SegmentedModel};
-use kiln_optim::{AdamW, AdamWConfig, Optimizer};
+use kiln_optim::{DecayOverride, Optimizer, OptimizerFactory, ParamKind, WeightDecayGroups};
 use kiln_precision::{unscale_and_check, LossScaler};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,7 +31,12 @@ pub struct DataParallel {
     grad_shards: Vec<Vec<f32>>,
     /// Transient full unit buffers for stages 2 and 3.
     pool: Vec<Vec<f32>>,
-    optim: Vec<AdamW>,
+    /// Per unit: the optimizer of this rank's chunk (the whole unit when replicated).
+    optim: Vec<Box<dyn Optimizer>>,
+    /// What builds each unit's optimizer.
+    factory: Arc<dyn OptimizerFactory>,
+    /// Per parameter (layout order): its own weight decay, if it has one.
+    decay: Vec<Option<f64>>,
     /// Main-thread data-parallel communicator (parameter gathers, norms).
     comm: Box<dyn Communicator>,
     /// The whole world, for the found-inf flag (defaults to the data-parallel group).
@@ -138,7 +143,7 @@ impl DataParallel {
                     }
                 }
             }
-            optim.push(AdamW::new(mine.len(), cfg.adamw)?);
+            optim.push(cfg.optimizer.build(mine.len())?);
             master.push(mine);
         }
         let mut dp_engine = Self {
@@ -155,6 +160,8 @@ impl DataParallel {
             },
             master,
             optim,
+            factory: Arc::new(cfg.optimizer),
+            decay: vec![None; layout.params().len()],
             comm,
             world: None,
             tp: None,
@@ -260,18 +267,101 @@ impl DataParallel {
         self.optim.first().map_or(0, |o| o.step_count())
     }
 
-    /// Sets the learning-rate and other AdamW options (takes effect at the next step).
-    pub fn set_adamw(&mut self, cfg: AdamWConfig) -> Result<()> {
-        for o in &mut self.optim {
-            o.set_config(cfg)?;
+    /// Runs the optimizer `factory` builds on every shard in place of the configured one
+    /// ([`DataParallelConfig::optimizer`]): an optimizer of your own, or a configured one with
+    /// different options. Only before the first step (the optimizers' state starts at zero);
+    /// weight-decay groups already set carry over.
+    pub fn with_optimizer(mut self, factory: Arc<dyn OptimizerFactory>) -> Result<Self> {
+        if self.steps() > 0 {
+            return Err(ParallelError::Config(format!(
+                "with_optimizer after {} steps: the optimizer can only be replaced before the first step",
+                self.steps()
+            )));
         }
-        self.cfg.adamw = cfg;
+        let mut optim = Vec::with_capacity(self.master.len());
+        for m in &self.master {
+            optim.push(factory.build(m.len())?);
+        }
+        self.optim = optim;
+        self.factory = factory;
+        self.apply_decay()?;
+        Ok(self)
+    }
+
+    /// Gives the named parameters their own weight decay (PyTorch's parameter groups); the
+    /// others keep the optimizer's. Each shard's optimizer gets the ranges of its own chunk, so
+    /// the result does not depend on the sharding. A name the engine does not hold is an error.
+    pub fn with_weight_decay(mut self, per_param: &[(String, f64)]) -> Result<Self> {
+        for (name, wd) in per_param {
+            let i = self.param_index(name, "the weight-decay list")?;
+            self.decay[i] = Some(*wd);
+        }
+        self.apply_decay()?;
+        Ok(self)
+    }
+
+    /// Turns weight decay off on the parameters `groups` exempts, by kind (the model's list,
+    /// for example `kiln_model::Gpt::param_kinds`): by default biases, normalisation gains and
+    /// embeddings, as GPT-3 trains. See [`WeightDecayGroups`].
+    pub fn with_decay_groups(
+        self,
+        kinds: &[(String, ParamKind)],
+        groups: &WeightDecayGroups,
+    ) -> Result<Self> {
+        let off: Vec<(String, f64)> = groups
+            .no_decay(kinds)?
+            .into_iter()
+            .map(|n| (n, 0.0))
+            .collect();
+        self.with_weight_decay(&off)
+    }
+
+    /// The weight decay each parameter has of its own (layout order; `None`: the optimizer's).
+    pub fn weight_decay_overrides(&self) -> &[Option<f64>] {
+        &self.decay
+    }
+
+    fn param_index(&self, name: &str, list: &str) -> Result<usize> {
+        self.layout.index(name).ok_or_else(|| ParallelError::Param {
+            name: name.to_string(),
+            expected: "a parameter of the engine".into(),
+            got: format!("an unknown name in {list}"),
+        })
+    }
+
+    /// Hands each unit's optimizer the decay overrides of its chunk.
+    fn apply_decay(&mut self) -> Result<()> {
+        for (u, unit) in self.layout.units().iter().enumerate() {
+            let mut whole: Vec<DecayOverride> = Vec::new();
+            let mut params: Vec<usize> = unit.params.clone();
+            params.sort_by_key(|&p| self.layout.params()[p].offset);
+            for p in params {
+                let Some(wd) = self.decay[p] else { continue };
+                let slot = &self.layout.params()[p];
+                let range = slot.offset..slot.offset + slot.numel;
+                match whole.last_mut() {
+                    Some(last) if last.range.end == range.start && last.weight_decay == wd => {
+                        last.range.end = range.end;
+                    }
+                    _ => whole.push(DecayOverride {
+                        range,
+                        weight_decay: wd,
+                    }),
+                }
+            }
+            let mine = if self.cfg.stage == Stage::Replicated {
+                0..unit.len
+            } else {
+                chunk_range(unit.len, self.dp_size, self.dp_rank)
+            };
+            self.optim[u].set_decay_overrides(DecayOverride::for_shard(&whole, mine))?;
+        }
         Ok(())
     }
 
     /// Bytes of model state this rank holds in its buffers: (weights, gradients, optimizer
     /// states). Weights are the model's variables (none under ZeRO-3); the optimizer states are
-    /// the fp32 master copy and the two AdamW moments.
+    /// the fp32 master copy and the optimizer's buffers (AdamW's two moments).
     pub fn model_state_bytes(&self) -> (u64, u64, u64) {
         let weights: u64 = self
             .vars
@@ -289,7 +379,10 @@ impl DataParallel {
             .master
             .iter()
             .zip(&self.optim)
-            .map(|(m, o)| (m.len() + o.exp_avg().len() + o.exp_avg_sq().len()) as u64 * 4)
+            .map(|(m, o)| {
+                let state: usize = o.state_buffers().iter().map(|(_, b)| b.len()).sum();
+                (m.len() + state) as u64 * 4
+            })
             .sum();
         (weights, grads, optim)
     }
@@ -658,14 +751,14 @@ impl DataParallel {
         }
     }
 
-    /// The AdamW optimizers, one per unit, holding this rank's chunk (the whole unit when
+    /// The optimizers, one per unit, holding this rank's chunk (the whole unit when
     /// replicated), for checkpoints.
-    pub fn optimizers(&self) -> &[AdamW] {
+    pub fn optimizers(&self) -> &[Box<dyn Optimizer>] {
         &self.optim
     }
 
     /// Mutable access to the optimizers (restoring a checkpoint).
-    pub fn optimizers_mut(&mut self) -> &mut [AdamW] {
+    pub fn optimizers_mut(&mut self) -> &mut [Box<dyn Optimizer>] {
         &mut self.optim
     }
 

@@ -11,7 +11,9 @@ pub use sections::{
 };
 
 use crate::error::{Result, TrainError};
+use kiln_memory::CheckpointPolicy;
 use kiln_model::GptConfig;
+use kiln_optim::ScheduleConfig;
 use kiln_precision::ComputeDType;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -25,14 +27,14 @@ pub const RUN_PRESETS: &[&str] = &["tiny", "train_gpt", "train_gpt_zero3", "trai
 /// Every section has defaults, so a TOML file only names what it changes; unknown keys are
 /// errors. [`RunConfig::validate`] checks the whole configuration and names the field at fault;
 /// [`RunConfig::apply_overrides`] and [`RunConfig::from_args`] set fields from command-line
-/// flags (`--steps 30 --dp 2`, or any dotted path: `--optim.lr 1e-3`).
+/// flags (`--steps 30 --dp 2`, or any dotted path: `--optim.schedule.lr 1e-3`).
 ///
 /// ```
 /// use kiln_train::RunConfig;
 /// let mut cfg = RunConfig::from_toml_str("seed = 7\n[parallel]\ndp = 2\n[train]\nsteps = 20\n")?;
-/// cfg.apply_overrides(&[("tp", "2"), ("optim.lr", "1e-3")])?;
+/// cfg.apply_overrides(&[("tp", "2"), ("optim.schedule.lr", "1e-3")])?;
 /// assert_eq!((cfg.seed, cfg.parallel.dp, cfg.parallel.tp, cfg.train.steps), (7, 2, 2, 20));
-/// assert_eq!(cfg.optim.lr, 1e-3);
+/// assert_eq!(cfg.optim.schedule.lr, 1e-3);
 /// cfg.parallel.tp = 3;
 /// let err = cfg.validate().unwrap_err().to_string();
 /// assert!(err.contains("tensor_parallel_degree (3) must divide n_heads (4)"), "{err}");
@@ -122,12 +124,15 @@ impl RunConfig {
                 micro_batch: 8 / dp,
                 accumulation: 1,
                 seq_len: 128,
-                activation_checkpointing: "every_block".into(),
+                activation_checkpointing: CheckpointPolicy::EveryBlock,
             },
             optim: OptimSection {
-                lr: 2e-3,
-                min_lr: 2e-4,
-                warmup_steps: 20,
+                schedule: ScheduleConfig {
+                    lr: 2e-3,
+                    min_lr: 2e-4,
+                    warmup_steps: 20,
+                    ..ScheduleConfig::default()
+                },
                 ..OptimSection::default()
             },
             checkpoint: CheckpointSection {
@@ -241,7 +246,6 @@ impl RunConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_memory::CheckpointPolicy;
 
     #[test]
     fn presets_validate_and_round_trip_through_toml() {
@@ -278,19 +282,41 @@ mod tests {
             "invalid run config: RunConfig.train.seq_len: must be in 1..=64 (the model's n_ctx), got 65"
         );
         let mut c = RunConfig::default();
-        c.optim.warmup_steps = 500;
+        c.optim.schedule.warmup_steps = 500;
         let e = c.validate().unwrap_err().to_string();
         assert!(
-            e.ends_with("RunConfig.optim.warmup_steps: 500 must not exceed train.steps (100)"),
+            e.ends_with(
+                "RunConfig.optim.schedule.warmup_steps: 500 must not exceed train.steps (100)"
+            ),
+            "{e}"
+        );
+        let e = RunConfig::from_toml_str("[train]\nactivation_checkpointing = \"every_0\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("every_0") && e.contains("every_block"), "{e}");
+        let e = RunConfig::default()
+            .apply_overrides(&[("activation_checkpointing", "every_0")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RunConfig.train.activation_checkpointing"),
             "{e}"
         );
         let mut c = RunConfig::default();
-        c.train.activation_checkpointing = "every_0".into();
+        c.monitor.breaker.cooldown_lr_factor = -1.0;
         assert!(c
             .validate()
             .unwrap_err()
             .to_string()
-            .contains("RunConfig.train.activation_checkpointing"));
+            .contains("RunConfig.monitor.breaker"));
+        let mut c = RunConfig::default();
+        c.precision.compute = ComputeDType::F16;
+        c.precision.scaler.backoff_factor = 2.0;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("RunConfig.precision.scaler"));
         let mut c = RunConfig::default();
         c.parallel.zero = 4;
         assert!(c
@@ -322,8 +348,35 @@ mod tests {
         assert_eq!(c.checkpoint.resume_step, Some(20));
         assert_eq!(c.precision.compute, ComputeDType::F16);
         assert_eq!(
-            c.train.checkpoint_policy().unwrap(),
+            c.train.activation_checkpointing,
             CheckpointPolicy::EveryKth(2)
+        );
+        // the nested crates' configurations, field by field
+        c.apply_overrides(&[
+            ("precision.scaler.hysteresis", "2"),
+            ("monitor.breaker.on_loss_spike", "skip_batch"),
+            ("monitor.loss_spike.k", "4"),
+            ("lr", "1e-3"),
+            ("optim.weight_decay_groups.embedding", "true"),
+        ])
+        .unwrap();
+        assert_eq!(c.precision.scaler.hysteresis, 2);
+        assert_eq!(
+            c.monitor.breaker.on_loss_spike,
+            kiln_monitor::Response::SkipBatch
+        );
+        assert_eq!(c.monitor.loss_spike.k, 4.0);
+        assert_eq!(c.optim.schedule.lr, 1e-3);
+        assert!(c.optim.weight_decay_groups.embedding);
+        // switching the optimizer drops the other one's options
+        c.apply_overrides(&[("optimizer", "sgd"), ("optim.optimizer.momentum", "0.9")])
+            .unwrap();
+        assert_eq!(
+            c.optim.optimizer,
+            kiln_optim::OptimizerConfig::Sgd(kiln_optim::SgdConfig {
+                momentum: 0.9,
+                ..Default::default()
+            })
         );
         let e = c
             .apply_overrides(&[("stepz", "1")])
@@ -387,7 +440,7 @@ mod tests {
         b.output_dir = "elsewhere".into();
         b.train.steps = 7;
         assert_eq!(a.trajectory_hash(), b.trajectory_hash());
-        b.optim.lr *= 2.0;
+        b.optim.schedule.lr *= 2.0;
         assert_ne!(a.trajectory_hash(), b.trajectory_hash());
     }
 }

@@ -21,9 +21,11 @@ const ALIASES: &[(&str, &str)] = &[
     ("backend", "parallel.backend"),
     ("precision", "precision.compute"),
     ("preset", "model.preset"),
-    ("lr", "optim.lr"),
-    ("min_lr", "optim.min_lr"),
-    ("warmup", "optim.warmup_steps"),
+    ("lr", "optim.schedule.lr"),
+    ("min_lr", "optim.schedule.min_lr"),
+    ("warmup", "optim.schedule.warmup_steps"),
+    ("optimizer", "optim.optimizer.type"),
+    ("weight_decay", "optim.optimizer.weight_decay"),
     ("clip", "optim.max_grad_norm"),
     ("out", "output_dir"),
     ("output", "output_dir"),
@@ -114,9 +116,17 @@ fn parse_value(path: &str, current: &Value, text: &str) -> Result<Value> {
     })
 }
 
+/// Checks that the document still reads as a [`RunConfig`] after setting `path`, so that a
+/// value the field's type refuses is named by its field.
+fn check_field(doc: &Value, path: &str) -> Result<()> {
+    serde_json::from_value::<RunConfig>(doc.clone())
+        .map(|_| ())
+        .map_err(|e| TrainError::config(format!("RunConfig.{path}"), e.to_string()))
+}
+
 impl RunConfig {
     /// Sets fields from `(key, value)` pairs, in order. A key is a dotted path
-    /// (`optim.lr`, `parallel.dp`, `seed`) or a short alias (`steps`, `dp`, `tp`, `zero`,
+    /// (`optim.schedule.lr`, `parallel.dp`, `seed`) or a short alias (`steps`, `dp`, `tp`, `zero`,
     /// `precision`, `preset`, `lr`, `micro_batch`, `seq_len`, `out`, ...); `-` and `_` are
     /// interchangeable. The value is parsed for the field's type (lists are comma-separated).
     pub fn apply_overrides<K: AsRef<str>, V: AsRef<str>>(
@@ -149,6 +159,20 @@ impl RunConfig {
                     )
                 })?;
             }
+            if path == "optim.optimizer.type" {
+                // another optimizer: its own defaults, not the old one's options
+                let fresh: kiln_optim::OptimizerConfig = v.as_ref().parse().map_err(|e| {
+                    TrainError::config("RunConfig.optim.optimizer.type", format!("{e}"))
+                })?;
+                let section = doc
+                    .get_mut("optim")
+                    .and_then(|o| o.get_mut("optimizer"))
+                    .ok_or_else(|| TrainError::config("RunConfig.optim.optimizer", "missing"))?;
+                *section = serde_json::to_value(fresh)
+                    .map_err(|e| TrainError::config("RunConfig.optim.optimizer", e.to_string()))?;
+                check_field(&doc, &path)?;
+                continue;
+            }
             *node = if path == "precision.compute" {
                 let d: ComputeDType = v.as_ref().trim().parse().map_err(|e| {
                     TrainError::config("RunConfig.precision.compute", format!("{e}"))
@@ -157,6 +181,7 @@ impl RunConfig {
             } else {
                 parse_value(&path, node, v.as_ref())?
             };
+            check_field(&doc, &path)?;
         }
         *self = serde_json::from_value(doc)
             .map_err(|e| TrainError::config("RunConfig (after overrides)", e.to_string()))?;

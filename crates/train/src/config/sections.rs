@@ -4,7 +4,8 @@ use crate::error::{Result, TrainError};
 use kiln_comm::launch::Backend;
 use kiln_memory::CheckpointPolicy;
 use kiln_model::GptConfig;
-use kiln_monitor::{BreakerPolicy, Response};
+use kiln_monitor::{BreakerPolicy, SpikeConfig};
+use kiln_optim::{AdamWConfig, OptimizerConfig, ScheduleConfig, WeightDecayGroups};
 use kiln_parallel::Stage;
 use kiln_precision::{ComputeDType, DynamicScalerConfig};
 use serde::{Deserialize, Serialize};
@@ -122,19 +123,17 @@ impl ParallelSection {
 pub struct PrecisionSection {
     /// Compute dtype: `f32`, `f16` (with dynamic loss scaling) or `bf16`.
     pub compute: ComputeDType,
-    /// The initial loss scale (f16).
-    pub init_scale: f32,
-    /// Clean steps before the loss scale doubles (f16).
-    pub growth_interval: u32,
+    /// The dynamic loss scaler of f16 compute (kiln-precision's own options, every one of
+    /// them: `init_scale`, `growth_factor`, `backoff_factor`, `growth_interval`, `hysteresis`,
+    /// `consecutive_hysteresis`, `min_scale`, `max_scale`).
+    pub scaler: DynamicScalerConfig,
 }
 
 impl Default for PrecisionSection {
     fn default() -> Self {
-        let d = DynamicScalerConfig::default();
         PrecisionSection {
             compute: ComputeDType::F32,
-            init_scale: d.init_scale,
-            growth_interval: d.growth_interval,
+            scaler: DynamicScalerConfig::default(),
         }
     }
 }
@@ -146,15 +145,6 @@ impl PrecisionSection {
             ComputeDType::F16 => candle_core::DType::F16,
             ComputeDType::BF16 => candle_core::DType::BF16,
             _ => candle_core::DType::F32,
-        }
-    }
-
-    /// The dynamic scaler's options.
-    pub fn scaler_config(&self) -> DynamicScalerConfig {
-        DynamicScalerConfig {
-            init_scale: self.init_scale,
-            growth_interval: self.growth_interval,
-            ..DynamicScalerConfig::default()
         }
     }
 }
@@ -172,7 +162,7 @@ pub struct TrainSection {
     /// Tokens per sample (at most the model's context).
     pub seq_len: usize,
     /// Activation checkpointing: `none`, `every_block`, or `every_<k>` (every k-th block).
-    pub activation_checkpointing: String,
+    pub activation_checkpointing: CheckpointPolicy,
 }
 
 impl Default for TrainSection {
@@ -182,67 +172,32 @@ impl Default for TrainSection {
             micro_batch: 4,
             accumulation: 1,
             seq_len: 64,
-            activation_checkpointing: "none".into(),
+            activation_checkpointing: CheckpointPolicy::None,
         }
     }
 }
 
 impl TrainSection {
-    /// The activation-checkpointing policy.
-    pub fn checkpoint_policy(&self) -> Result<CheckpointPolicy> {
-        let s = self.activation_checkpointing.trim().to_ascii_lowercase();
-        let bad = || {
-            TrainError::config(
-                "RunConfig.train.activation_checkpointing",
-                format!(
-                    "expected none, every_block or every_<k> with k >= 1, got {:?}",
-                    self.activation_checkpointing
-                ),
-            )
-        };
-        match s.as_str() {
-            "none" | "off" | "false" | "" => Ok(CheckpointPolicy::None),
-            "every_block" | "all" | "true" | "on" => Ok(CheckpointPolicy::EveryBlock),
-            other => {
-                let k: usize = other
-                    .strip_prefix("every_")
-                    .and_then(|k| k.parse().ok())
-                    .ok_or_else(bad)?;
-                match k {
-                    0 => Err(bad()),
-                    1 => Ok(CheckpointPolicy::EveryBlock),
-                    k => Ok(CheckpointPolicy::EveryKth(k)),
-                }
-            }
-        }
-    }
-
     /// Samples per step on one data-parallel rank.
     pub fn rank_batch(&self) -> usize {
         self.micro_batch.saturating_mul(self.accumulation)
     }
 }
 
-/// AdamW, the learning-rate schedule and clipping.
+/// The optimizer, its parameter groups, the learning-rate schedule and clipping: kiln-optim's
+/// own configuration types.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct OptimSection {
-    /// Peak learning rate.
-    pub lr: f64,
-    /// Learning rate at the end of the decay.
-    pub min_lr: f64,
-    /// Linear warmup steps (from 0).
-    pub warmup_steps: u64,
-    /// The decay after warmup: `cosine`, `linear` or `constant`.
-    pub decay: String,
-    /// Decoupled weight decay.
-    pub weight_decay: f64,
-    /// AdamW beta1.
-    pub beta1: f64,
-    /// AdamW beta2.
-    pub beta2: f64,
-    /// AdamW epsilon.
-    pub eps: f64,
+    /// The optimizer and its hyperparameters (`type = "adamw"` or `"sgd"`; omitted fields
+    /// take the optimizer's defaults). Default: AdamW with betas 0.9 and 0.95, eps 1e-8,
+    /// weight decay 0.1 (GPT-3's).
+    pub optimizer: OptimizerConfig,
+    /// Which parameters decay (default: only linear weights; no decay on biases, LayerNorm
+    /// gains and embeddings).
+    pub weight_decay_groups: WeightDecayGroups,
+    /// The learning-rate schedule (`lr`, `min_lr`, `warmup_steps`, `decay`).
+    pub schedule: ScheduleConfig,
     /// Clip gradients to this global L2 norm (0 disables clipping).
     pub max_grad_norm: f32,
 }
@@ -250,30 +205,20 @@ pub struct OptimSection {
 impl Default for OptimSection {
     fn default() -> Self {
         OptimSection {
-            lr: 3e-3,
-            min_lr: 3e-4,
-            warmup_steps: 10,
-            decay: "cosine".into(),
-            weight_decay: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
+            optimizer: OptimizerConfig::AdamW(AdamWConfig {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            }),
+            weight_decay_groups: WeightDecayGroups::default(),
+            schedule: ScheduleConfig::default(),
             max_grad_norm: 1.0,
         }
     }
 }
 
 impl OptimSection {
-    /// The AdamW hyperparameters.
-    pub fn adamw(&self) -> kiln_optim::AdamWConfig {
-        kiln_optim::AdamWConfig {
-            beta1: self.beta1,
-            beta2: self.beta2,
-            eps: self.eps,
-            weight_decay: self.weight_decay,
-        }
-    }
-
     /// The clipping norm, if clipping is on.
     pub fn clip(&self) -> Option<f32> {
         (self.max_grad_norm > 0.0).then_some(self.max_grad_norm)
@@ -281,29 +226,9 @@ impl OptimSection {
 
     /// The learning-rate schedule over `total_steps` optimizer steps.
     pub fn schedule(&self, total_steps: u64) -> Result<Box<dyn kiln_optim::LrSchedule>> {
-        let named =
-            |e: kiln_optim::OptimError| TrainError::config("RunConfig.optim", e.to_string());
-        let warmup = self.warmup_steps.min(total_steps);
-        Ok(match self.decay.trim().to_ascii_lowercase().as_str() {
-            "cosine" => Box::new(
-                kiln_optim::WarmupDecay::cosine(self.lr, self.min_lr, warmup, total_steps)
-                    .map_err(named)?,
-            ),
-            "linear" => Box::new(
-                kiln_optim::WarmupDecay::linear(self.lr, self.min_lr, warmup, total_steps)
-                    .map_err(named)?,
-            ),
-            "constant" => Box::new(
-                kiln_optim::Constant::with_warmup(self.lr, kiln_optim::Warmup::linear(warmup))
-                    .map_err(named)?,
-            ),
-            other => {
-                return Err(TrainError::config(
-                    "RunConfig.optim.decay",
-                    format!("expected cosine, linear or constant, got {other:?}"),
-                ))
-            }
-        })
+        self.schedule
+            .build(total_steps)
+            .map_err(|e| TrainError::config("RunConfig.optim.schedule", e.to_string()))
     }
 }
 
@@ -448,120 +373,65 @@ impl Default for MetricsSection {
     }
 }
 
-/// Anomaly detection, the circuit breaker and the hang watchdog.
+/// Anomaly detection, the circuit breaker and the hang watchdog: kiln-monitor's own
+/// configuration types.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MonitorSection {
     /// Run the detectors and the breaker.
     pub detectors: bool,
-    /// Robust standard deviations of a spike.
-    pub spike_k: f64,
-    /// Values in the spike detectors' rolling window.
-    pub spike_window: usize,
-    /// Values needed before a spike detector may fire.
-    pub spike_warmup: usize,
-    /// Smallest relative jump of a loss spike.
-    pub loss_min_rel_jump: f64,
-    /// Smallest relative jump of a gradient-norm spike.
-    pub grad_min_rel_jump: f64,
+    /// The loss-spike detector (`k`, `window`, `warmup`, `min_rel_jump`; all four when the
+    /// table is given).
+    pub loss_spike: SpikeConfig,
+    /// The gradient-norm spike detector.
+    pub grad_spike: SpikeConfig,
     /// A rank slower than this many times the median is a straggler (0: no straggler
     /// detector).
     pub straggler_factor: f64,
-    /// Answer to a non-finite loss or gradient norm.
-    pub on_non_finite: Response,
-    /// Answer to a loss spike.
-    pub on_loss_spike: Response,
-    /// Answer to a gradient-norm spike.
-    pub on_grad_spike: Response,
-    /// Answer to a straggler.
-    pub on_straggler: Response,
-    /// Learning-rate factor of a cool-down.
-    pub cooldown_lr_factor: f64,
-    /// Length of a cool-down in steps.
-    pub cooldown_steps: u64,
-    /// Cool down after every rollback.
-    pub cooldown_after_rollback: bool,
-    /// Batches before the spike's own to skip as well on a rollback.
-    pub skip_preceding_batches: usize,
-    /// Halt after this many events ...
-    pub halt_after_events: usize,
-    /// ... within this many steps.
-    pub halt_window_steps: u64,
+    /// What the circuit breaker does about each event, its cool-down and when it halts.
+    pub breaker: BreakerPolicy,
     /// Fail the run when no step completes within this many seconds (0: no watchdog).
     pub watchdog_s: f64,
 }
 
 impl Default for MonitorSection {
     fn default() -> Self {
-        let b = BreakerPolicy::default();
         MonitorSection {
             detectors: true,
-            spike_k: 3.0,
-            spike_window: 100,
-            spike_warmup: 50,
-            loss_min_rel_jump: 0.15,
-            grad_min_rel_jump: 1.0,
+            loss_spike: SpikeConfig::loss(),
+            grad_spike: SpikeConfig::grad_norm(),
             straggler_factor: 3.0,
-            on_non_finite: b.on_non_finite,
-            on_loss_spike: b.on_loss_spike,
-            on_grad_spike: b.on_grad_spike,
-            on_straggler: b.on_straggler,
-            cooldown_lr_factor: b.cooldown_lr_factor,
-            cooldown_steps: b.cooldown_steps,
-            cooldown_after_rollback: b.cooldown_after_rollback,
-            skip_preceding_batches: b.skip_preceding_batches,
-            halt_after_events: b.halt_after_events,
-            halt_window_steps: b.halt_window_steps,
+            breaker: BreakerPolicy::default(),
             watchdog_s: 600.0,
         }
     }
 }
 
 impl MonitorSection {
-    /// The breaker policy.
-    pub fn breaker_policy(&self) -> BreakerPolicy {
-        BreakerPolicy {
-            on_non_finite: self.on_non_finite,
-            on_loss_spike: self.on_loss_spike,
-            on_grad_spike: self.on_grad_spike,
-            on_straggler: self.on_straggler,
-            cooldown_lr_factor: self.cooldown_lr_factor,
-            cooldown_steps: self.cooldown_steps,
-            cooldown_after_rollback: self.cooldown_after_rollback,
-            skip_preceding_batches: self.skip_preceding_batches,
-            halt_after_events: self.halt_after_events,
-            halt_window_steps: self.halt_window_steps,
-        }
-    }
-
     /// The detectors: non-finite, loss spike, gradient-norm spike and (when
     /// `straggler_factor > 0`) straggler.
     pub fn detector_set(&self) -> Result<kiln_monitor::DetectorSet> {
         use kiln_monitor::{
-            DetectorSet, Metric, NonFiniteDetector, SpikeConfig, SpikeDetector, StragglerDetector,
+            DetectorSet, Metric, NonFiniteDetector, SpikeDetector, StragglerDetector,
         };
-        let named =
-            |e: kiln_monitor::MonitorError| TrainError::config("RunConfig.monitor", e.to_string());
-        let spike = |metric, jump| {
-            SpikeDetector::new(
-                metric,
-                SpikeConfig {
-                    k: self.spike_k,
-                    window: self.spike_window,
-                    warmup: self.spike_warmup,
-                    min_rel_jump: jump,
-                },
-            )
-            .map_err(named)
+        let named = |field: &str| {
+            let field = format!("RunConfig.monitor.{field}");
+            move |e: kiln_monitor::MonitorError| TrainError::config(field.clone(), e.to_string())
         };
+        let window = self.loss_spike.window.max(self.grad_spike.window);
         // remember enough records to rebuild every window on resume
         let mut set = DetectorSet::new()
-            .with_history(2 * self.spike_window + 16)
+            .with_history(2 * window + 16)
             .with(NonFiniteDetector::default())
-            .with(spike(Metric::Loss, self.loss_min_rel_jump)?)
-            .with(spike(Metric::GradNorm, self.grad_min_rel_jump)?);
+            .with(SpikeDetector::new(Metric::Loss, self.loss_spike).map_err(named("loss_spike"))?)
+            .with(
+                SpikeDetector::new(Metric::GradNorm, self.grad_spike)
+                    .map_err(named("grad_spike"))?,
+            );
         if self.straggler_factor > 0.0 {
-            set = set.with(StragglerDetector::new(self.straggler_factor).map_err(named)?);
+            set = set.with(
+                StragglerDetector::new(self.straggler_factor).map_err(named("straggler_factor"))?,
+            );
         }
         Ok(set)
     }

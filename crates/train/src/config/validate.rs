@@ -2,7 +2,6 @@
 
 use super::RunConfig;
 use crate::error::{Result, TrainError};
-use kiln_memory::ModelShape;
 use kiln_parallel::ParallelDims;
 use kiln_precision::ComputeDType;
 
@@ -18,13 +17,7 @@ impl RunConfig {
             .validate()
             .map_err(|e| TrainError::config("RunConfig.model", e.to_string()))?;
         let p = &self.parallel;
-        let shape = ModelShape {
-            n_layers: model.n_layers as u64,
-            d_model: model.d_model as u64,
-            n_heads: model.n_heads as u64,
-            ctx: model.n_ctx as u64,
-            vocab: model.vocab_size as u64,
-        };
+        let shape = model.shape();
         ParallelDims::new(p.dp, p.tp, p.world(), &shape).map_err(|e| {
             TrainError::config(
                 "RunConfig.parallel",
@@ -67,23 +60,29 @@ impl RunConfig {
                 ),
             );
         }
-        t.checkpoint_policy()?;
         let o = &self.optim;
-        if !(o.lr.is_finite() && o.lr > 0.0) {
-            return bad("optim.lr", format!("must be finite and > 0, got {}", o.lr));
-        }
-        if !(o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
+        let sch = &o.schedule;
+        if !(sch.lr.is_finite() && sch.lr > 0.0) {
             return bad(
-                "optim.min_lr",
-                format!("must be in [0, optim.lr ({})], got {}", o.lr, o.min_lr),
+                "optim.schedule.lr",
+                format!("must be finite and > 0, got {}", sch.lr),
             );
         }
-        if o.warmup_steps > t.steps {
+        if !(sch.min_lr.is_finite() && sch.min_lr >= 0.0 && sch.min_lr <= sch.lr) {
             return bad(
-                "optim.warmup_steps",
+                "optim.schedule.min_lr",
+                format!(
+                    "must be in [0, optim.schedule.lr ({})], got {}",
+                    sch.lr, sch.min_lr
+                ),
+            );
+        }
+        if sch.warmup_steps > t.steps {
+            return bad(
+                "optim.schedule.warmup_steps",
                 format!(
                     "{} must not exceed train.steps ({})",
-                    o.warmup_steps, t.steps
+                    sch.warmup_steps, t.steps
                 ),
             );
         }
@@ -93,15 +92,15 @@ impl RunConfig {
                 format!("must be finite and >= 0 (0: off), got {}", o.max_grad_norm),
             );
         }
-        o.adamw()
+        o.optimizer
             .validate()
-            .map_err(|e| TrainError::config("RunConfig.optim", e.to_string()))?;
+            .map_err(|e| TrainError::config("RunConfig.optim.optimizer", e.to_string()))?;
         o.schedule(t.steps)?;
         if self.precision.compute == ComputeDType::F16 {
             self.precision
-                .scaler_config()
+                .scaler
                 .validate()
-                .map_err(|e| TrainError::config("RunConfig.precision", e.to_string()))?;
+                .map_err(|e| TrainError::config("RunConfig.precision.scaler", e.to_string()))?;
         }
         let c = &self.checkpoint;
         if !(c.every_minutes.is_finite() && c.every_minutes >= 0.0) {
@@ -144,8 +143,8 @@ impl RunConfig {
         }
         if m.detectors {
             m.detector_set()?;
-            kiln_monitor::CircuitBreaker::new(m.breaker_policy())
-                .map_err(|e| TrainError::config("RunConfig.monitor", e.to_string()))?;
+            kiln_monitor::CircuitBreaker::new(m.breaker)
+                .map_err(|e| TrainError::config("RunConfig.monitor.breaker", e.to_string()))?;
         }
         Ok(())
     }

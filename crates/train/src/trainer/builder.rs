@@ -10,7 +10,6 @@ use kiln_ckpt::{
 };
 use kiln_comm::Communicator;
 use kiln_data::{DataLoader, LoaderConfig, TokenSource, Transform};
-use kiln_memory::ModelShape;
 use kiln_model::Gpt;
 use kiln_monitor::{
     BreakerPolicy, CircuitBreaker, DetectorSet, MetricSink, Mfu, MultiSink, StepMetrics, Watchdog,
@@ -165,13 +164,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
                 ),
             ));
         }
-        let shape = ModelShape {
-            n_layers: gpt.n_layers as u64,
-            d_model: gpt.d_model as u64,
-            n_heads: gpt.n_heads as u64,
-            ctx: gpt.n_ctx as u64,
-            vocab: gpt.vocab_size as u64,
-        };
+        let shape = gpt.shape();
         let dims = ParallelDims::new(p.dp, p.tp, world.world_size(), &shape)?;
         let groups = dims.build_groups(&*world)?;
         let dp: Arc<dyn Communicator> = Arc::from(groups.dp);
@@ -188,14 +181,15 @@ impl<M: TrainModel> TrainerBuilder<M> {
             bucket_bytes: p.bucket_bytes(),
             overlap: p.overlap,
             max_grad_norm: cfg.optim.clip(),
-            adamw: cfg.optim.adamw(),
+            optimizer: cfg.optim.optimizer,
             // the param_norm and update_param_ratio metrics, computed inside the update
             update_norms: true,
-            checkpoint: cfg.train.checkpoint_policy()?,
+            checkpoint: cfg.train.activation_checkpointing,
         };
         let mut engine = DataParallel::new(&model.segment_param_lists(), &*dp, dpc)?
             .with_world(world.clone())
-            .with_param_splits(&model.param_splits())?;
+            .with_param_splits(&model.param_splits())?
+            .with_decay_groups(&model.param_kinds(), &cfg.optim.weight_decay_groups)?;
         if p.tp > 1 {
             engine = engine.with_tensor_parallel(tp.clone());
         }
@@ -244,7 +238,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
         let scaler: Box<dyn LossScaler> = match self.scaler {
             Some(s) => s,
             None if cfg.precision.compute == ComputeDType::F16 => {
-                Box::new(DynamicLossScaler::new(cfg.precision.scaler_config())?)
+                Box::new(DynamicLossScaler::new(cfg.precision.scaler)?)
             }
             None => Box::new(NoScaler),
         };
@@ -259,7 +253,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
                 Some(d) => d,
                 None => cfg.monitor.detector_set()?,
             };
-            let policy = self.breaker.unwrap_or_else(|| cfg.monitor.breaker_policy());
+            let policy = self.breaker.unwrap_or(cfg.monitor.breaker);
             (Some(d), Some(CircuitBreaker::new(policy)?))
         } else {
             (None, None)

@@ -54,11 +54,12 @@ pub fn tiny_config(name: &str, root: &Path, corpus: &str, bytes: usize) -> RunCo
     c.train.seq_len = 32;
     c.train.micro_batch = 2;
     c.train.accumulation = 2;
-    c.optim.lr = 3e-3;
-    c.optim.min_lr = 3e-4;
-    c.optim.warmup_steps = 5;
-    c.monitor.spike_warmup = 10;
-    c.monitor.spike_window = 20;
+    c.optim.schedule.lr = 3e-3;
+    c.optim.schedule.min_lr = 3e-4;
+    c.optim.schedule.warmup_steps = 5;
+    for s in [&mut c.monitor.loss_spike, &mut c.monitor.grad_spike] {
+        (s.warmup, s.window) = (10, 20);
+    }
     c.monitor.watchdog_s = 300.0;
     c.metrics.console = false;
     c.eval.at_end = false;
