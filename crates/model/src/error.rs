@@ -33,6 +33,14 @@ pub enum ModelError {
         /// What the value must be.
         expected: &'static str,
     },
+    /// A device that cannot be used: misspelt, not built in, or not present.
+    #[error("device {device:?}: {reason}")]
+    Device {
+        /// The device as written.
+        device: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// No preset has this name.
     #[error("unknown model preset {name:?}: expected one of {known}")]
     UnknownPreset {

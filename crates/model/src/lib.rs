@@ -33,6 +33,9 @@
 #![deny(missing_docs)]
 
 mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod device;
 mod error;
 mod generate;
 mod init;
@@ -45,6 +48,7 @@ pub mod reference;
 mod tp;
 
 pub use config::{GptConfig, PRESET_NAMES};
+pub use device::DeviceSpec;
 pub use error::{ModelError, Result};
 pub use generate::{generate, Sampling};
 pub use init::{keyed_rng, splitmix64, Init, Initializer};

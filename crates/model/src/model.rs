@@ -59,6 +59,12 @@ impl GptOptions {
         self.param_dtype = dtype;
         self
     }
+
+    /// The same options with the parameters on `device`.
+    pub fn with_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
 }
 
 /// One piece of the model an executor can run on its own: `Embed`, then each `Block`, then

@@ -261,6 +261,46 @@ impl InplaceOp1 for WriteInPlace<'_> {
         }
         Ok(())
     }
+
+    /// The host values copied into the device buffer (converted on the host first for f16 and
+    /// bf16): one host-to-device copy of the variable.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &mut candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::cuda_backend::CudaStorageSlice as S;
+        let (start, end) = layout.contiguous_offsets().ok_or_else(|| {
+            candle_core::Error::Msg("kiln-write-params: variable is not contiguous".into())
+        })?;
+        if end - start != self.0.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "kiln-write-params: variable holds {} elements, got {}",
+                end - start,
+                self.0.len()
+            )));
+        }
+        let dev = storage.device.clone();
+        match &mut storage.slice {
+            S::F32(d) => dev.memcpy_htod(self.0, &mut d.slice_mut(start..end)),
+            S::F16(d) => {
+                let h: Vec<half::f16> = self.0.iter().map(|&v| half::f16::from_f32(v)).collect();
+                dev.memcpy_htod(&h, &mut d.slice_mut(start..end))
+            }
+            S::BF16(d) => {
+                let h: Vec<half::bf16> = self.0.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                dev.memcpy_htod(&h, &mut d.slice_mut(start..end))
+            }
+            S::F64(d) => {
+                let h: Vec<f64> = self.0.iter().map(|&v| v as f64).collect();
+                dev.memcpy_htod(&h, &mut d.slice_mut(start..end))
+            }
+            _ => Err(candle_core::Error::Msg(
+                "kiln-write-params: unsupported variable dtype".into(),
+            )),
+        }
+    }
 }
 
 /// Writes `src` into `var` in place.

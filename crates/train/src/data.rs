@@ -87,8 +87,13 @@ pub fn prepare_sources(cfg: &RunConfig, world: &dyn Communicator) -> Result<Data
     })
 }
 
-/// Splits a loader batch into `parts` micro-batches of input and target tensors `[b, t]`.
-pub fn micro_batches(batch: &Batch, parts: usize) -> Result<Vec<(Tensor, Tensor)>> {
+/// Splits a loader batch into `parts` micro-batches of input and target tensors `[b, t]` on
+/// `device` (one host-to-device copy of the token ids).
+pub fn micro_batches(
+    batch: &Batch,
+    parts: usize,
+    device: &Device,
+) -> Result<Vec<(Tensor, Tensor)>> {
     let (b, t) = (batch.batch_size, batch.ctx);
     if parts == 0 || b % parts != 0 {
         return Err(TrainError::Builder(format!(
@@ -99,8 +104,8 @@ pub fn micro_batches(batch: &Batch, parts: usize) -> Result<Vec<(Tensor, Tensor)
     (0..parts)
         .map(|k| {
             let rows = k * m * t..(k + 1) * m * t;
-            let x = Tensor::from_slice(&batch.inputs[rows.clone()], (m, t), &Device::Cpu)?;
-            let y = Tensor::from_slice(&batch.targets[rows], (m, t), &Device::Cpu)?;
+            let x = Tensor::from_slice(&batch.inputs[rows.clone()], (m, t), device)?;
+            let y = Tensor::from_slice(&batch.targets[rows], (m, t), device)?;
             Ok((x, y))
         })
         .collect()
@@ -133,9 +138,9 @@ mod tests {
             sample_ids: vec![SampleId::new(0, 0); 4],
             epochs: vec![0; 4],
         };
-        let mb = micro_batches(&batch, 2).unwrap();
+        let mb = micro_batches(&batch, 2, &Device::Cpu).unwrap();
         assert_eq!(mb[1].0.to_vec2::<u32>().unwrap(), [[4, 5], [6, 7]]);
         assert_eq!(mb[0].1.to_vec2::<u32>().unwrap(), [[1, 2], [3, 4]]);
-        assert!(micro_batches(&batch, 3).is_err());
+        assert!(micro_batches(&batch, 3, &Device::Cpu).is_err());
     }
 }

@@ -106,13 +106,14 @@ impl std::fmt::Debug for ModelContext<'_> {
 }
 
 impl ModelContext<'_> {
-    /// The default model: the configured GPT preset, seeded with the run's seed, computing in
-    /// the configured dtype, split over the tensor-parallel group when it has more than one
+    /// The default model: the configured GPT preset, seeded with the run's seed, on the
+    /// configured device, computing in the configured dtype, split over the tensor-parallel group when it has more than one
     /// rank.
     pub fn build_gpt(&self) -> Result<Gpt> {
         let cfg = self.config.gpt_config()?;
-        let opts =
-            GptOptions::seeded(self.config.seed).with_compute_dtype(self.config.precision.dtype());
+        let opts = GptOptions::seeded(self.config.seed)
+            .with_compute_dtype(self.config.precision.dtype())
+            .with_device(self.config.device.device()?);
         Ok(if self.tp.world_size() > 1 {
             Gpt::tensor_parallel(&cfg, &opts, self.tp.clone())?
         } else {

@@ -68,7 +68,8 @@ where
 /// (`config.parallel.backend`), and returns their results as `(rank, result)` in rank order:
 /// - `thread`: all `dp * tp` ranks, one thread each ([`run_threads_with`]);
 /// - `mpi`: this process's one rank, after [`init_from_env`] (run under
-///   `mpirun -np <dp*tp>`); MPI is finalised when `f` has returned.
+///   `mpirun -np <dp*tp>`); MPI is finalised when `f` has returned. On a CUDA device the
+///   launcher's local rank is added to the configured GPU ordinal (one process per GPU).
 ///
 /// Printing and other once-per-job work belongs to whichever process gets rank 0's result.
 pub fn run_with<R, F>(config: &RunConfig, f: F) -> Result<Vec<(usize, R)>>
@@ -104,10 +105,13 @@ where
                 ));
             }
             let rank = launched.comm.rank();
+            // one process per GPU: the local rank picks this process's device
+            let mut own = config.clone();
+            own.device = config.device.offset(launched.env.local_rank);
             let out = f(RankContext {
                 comm: launched.comm,
                 rank,
-                config,
+                config: &own,
             });
             match out {
                 // the runtime (MPI) is finalised on return, after this rank's communicators

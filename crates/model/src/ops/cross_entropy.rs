@@ -169,6 +169,17 @@ impl CustomOp2 for CrossEntropy {
         "kiln-cross-entropy"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::cross_entropy_fwd((s1, l1), (s2, l2), self.ignore_index)
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -259,6 +270,17 @@ fn ce_bwd<T: Elem>(
 impl CustomOp2 for CrossEntropyBwd {
     fn name(&self) -> &'static str {
         "kiln-cross-entropy-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::cross_entropy_bwd((s1, l1), (s2, l2), self.ignore_index, self.grad)
     }
 
     fn cpu_fwd(

@@ -78,6 +78,15 @@ impl CustomOp1 for Gelu {
         "kiln-gelu"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::gelu((s1, l1), None)
+    }
+
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let op = self.name();
         with_float_storage!(s, op, |xs| {
@@ -99,6 +108,17 @@ struct GeluBwd;
 impl CustomOp2 for GeluBwd {
     fn name(&self) -> &'static str {
         "kiln-gelu-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::gelu((s1, l1), Some((s2, l2)))
     }
 
     fn cpu_fwd(
@@ -180,6 +200,17 @@ impl CustomOp2 for BiasGelu {
         "kiln-bias-gelu"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::bias_gelu_fwd((s1, l1), (s2, l2))
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -226,6 +257,19 @@ struct BiasGeluBwd;
 impl CustomOp3 for BiasGeluBwd {
     fn name(&self) -> &'static str {
         "kiln-bias-gelu-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::bias_gelu_bwd((s1, l1), (s2, l2), (s3, l3))
     }
 
     fn cpu_fwd(

@@ -129,6 +129,19 @@ impl CustomOp3 for LayerNormOp {
         "kiln-layer-norm"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::layer_norm_fwd((s1, l1), (s2, l2), (s3, l3), self.eps)
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -231,6 +244,19 @@ fn ln_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> candle_core::Result<
 impl CustomOp3 for LayerNormBwd {
     fn name(&self) -> &'static str {
         "kiln-layer-norm-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::layer_norm_bwd((s1, l1), (s2, l2), (s3, l3), self.eps)
     }
 
     fn cpu_fwd(

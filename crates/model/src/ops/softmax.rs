@@ -101,6 +101,15 @@ impl CustomOp1 for CausalSoftmax {
         "kiln-causal-softmax"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::causal_softmax((s1, l1), None, self.scale)
+    }
+
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let op = self.name();
         let dims = l.dims();
@@ -154,6 +163,17 @@ fn softmax_bwd<T: Elem>(
 impl CustomOp2 for CausalSoftmaxBwd {
     fn name(&self) -> &'static str {
         "kiln-causal-softmax-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::causal_softmax((s1, l1), Some((s2, l2)), self.scale)
     }
 
     fn cpu_fwd(

@@ -250,6 +250,11 @@ impl DataParallel {
         &*self.comm
     }
 
+    /// The device of the model's parameters (the device batches go to).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// The configuration.
     pub fn config(&self) -> &DataParallelConfig {
         &self.cfg

@@ -12,7 +12,7 @@ pub use sections::{
 
 use crate::error::{Result, TrainError};
 use kiln_memory::CheckpointPolicy;
-use kiln_model::GptConfig;
+use kiln_model::{DeviceSpec, GptConfig};
 use kiln_optim::ScheduleConfig;
 use kiln_precision::ComputeDType;
 use serde::{Deserialize, Serialize};
@@ -47,6 +47,11 @@ pub struct RunConfig {
     pub name: String,
     /// Seed of the initialisation and of the data order.
     pub seed: u64,
+    /// Where the model and the step run: `cpu` (default), `cuda` or `cuda:N` (a build with
+    /// the `cuda` feature). Under a launcher with one process per GPU, each rank adds its
+    /// local rank to N. Not part of the trajectory hash: a checkpoint written on one device
+    /// resumes on the other.
+    pub device: DeviceSpec,
     /// Where metrics, plots and (by default) checkpoints go.
     pub output_dir: PathBuf,
     /// The model.
@@ -76,6 +81,7 @@ impl Default for RunConfig {
         RunConfig {
             name: "run".into(),
             seed: 1337,
+            device: DeviceSpec::Cpu,
             output_dir: PathBuf::from("runs/run"),
             model: ModelSection::default(),
             parallel: ParallelSection::default(),

@@ -28,6 +28,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("weight_decay", "optim.optimizer.weight_decay"),
     ("clip", "optim.max_grad_norm"),
     ("out", "output_dir"),
+    ("device", "device"),
     ("output", "output_dir"),
     ("ckpt_dir", "checkpoint.dir"),
     ("ckpt_every", "checkpoint.every_steps"),

@@ -36,7 +36,7 @@ impl<M: TrainModel> Trainer<M> {
                         .index(&name)
                         .map(|i| layout.params()[i].shape.clone())
                         .unwrap_or_else(|| vec![values.len()]);
-                    let t = Tensor::from_vec(values, shape, &candle_core::Device::Cpu)?;
+                    let t = Tensor::from_vec(values, shape, self.engine.device())?;
                     map.insert(name, Var::from_tensor(&t)?);
                 }
                 Some(map)
@@ -62,7 +62,7 @@ impl<M: TrainModel> Trainer<M> {
         let mut sum = 0.0f64;
         for _ in 0..self.cfg.eval.batches {
             let b = val.next_batch()?;
-            let mut mb = micro_batches(&b, 1)?;
+            let mut mb = micro_batches(&b, 1, self.engine.device())?;
             let (x, y) = mb.remove(0);
             let mut h = x;
             for (i, p) in segs.iter().enumerate() {

@@ -105,7 +105,7 @@ impl<M: TrainModel> Trainer<M> {
         } else {
             Vec::new()
         };
-        let micro = micro_batches(&batch, self.cfg.train.accumulation)?;
+        let micro = micro_batches(&batch, self.cfg.train.accumulation, self.engine.device())?;
         let lr_factor = self.breaker.as_ref().map_or(1.0, |b| b.lr_factor(step));
         let lr = (self.schedule.lr(self.progress.optimizer_steps) as f64 * lr_factor) as f32;
         let tp_lead = self.dims.tp_rank(self.world.rank()) == 0;

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# GPU checks of kiln, in two halves:
+#
+#   scripts/gpu_check.sh build   on a CPU machine with cargo and network: installs CUDA's
+#                                compiler and libraries from PyPI, builds the test and example
+#                                binaries with the `cuda` feature (linking against a stub
+#                                libcuda.so, since the driver library is on no registry) and
+#                                bundles them in gpu_bundle/ (under 64 MiB).
+#   scripts/gpu_check.sh run     on the GPU machine (no cargo, no network; NVIDIA driver, and a
+#                                Python whose nvidia-* packages carry CUDA's libraries): the op
+#                                tests against the CPU, a 20-step train_gpt on CUDA against the
+#                                same 20 steps on the CPU, and throughput with MFU beside
+#                                PyTorch (bench/torch_gpt.py) on the same model.
+#
+# Environment: KILN_CUDA_PY (where the PyPI packages go, default ~/.cache/kiln-cu13),
+# CUDA_COMPUTE_CAP (default 90: H100/H200).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-}"
+cap="${CUDA_COMPUTE_CAP:-90}"
+bundle=gpu_bundle
+
+build() {
+  local py="${KILN_CUDA_PY:-$HOME/.cache/kiln-cu13}"
+  # the compiler (as .ci/run installs it) and, in a folder of their own, the libraries a
+  # binary links to (pip --target does not merge into an existing nvidia/ folder)
+  if [ ! -x "$py/nvidia/cu13/bin/nvcc" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --target "$py" \
+      "nvidia-cuda-nvcc==13.0.88" "nvidia-nvvm==13.0.*" "nvidia-cuda-crt==13.0.*" \
+      "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*"
+  fi
+  local libs="$py-libs"
+  if [ ! -e "$libs/nvidia/cu13/lib/libcublas.so.13" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --target "$libs" \
+      "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-nvrtc==13.0.*" "nvidia-cublas==13.0.*" \
+      "nvidia-curand==10.4.0.*"
+  fi
+  export CUDA_ROOT="$py/nvidia/cu13" CUDA_COMPUTE_CAP="$cap"
+  export PATH="$CUDA_ROOT/bin:$PATH"
+  # link folder: unversioned names of the PyPI libraries, and a stub libcuda.so.1 with one
+  # empty function per driver entry point of cuda.h (the real driver is loaded at run time)
+  local link="$PWD/target/cuda-link"
+  mkdir -p "$link"
+  for lib in "$CUDA_ROOT"/lib/lib*.so.* "$libs"/nvidia/*/lib/lib*.so.*; do
+    local name
+    name="$(basename "$lib")"
+    ln -sf "$lib" "$link/${name%%.so.*}.so"
+  done
+  if [ ! -e "$link/libcuda.so" ]; then
+    gcc -E -P "$CUDA_ROOT/include/cuda.h" -I "$CUDA_ROOT/include" |
+      grep -oE '\bCUresult +cu[A-Za-z0-9_]+ *\(' | sed -E 's/CUresult +//; s/ *\(//' |
+      sort -u | awk '{ printf "int %s(void) { return 0; }\n", $1 }' >"$link/cuda_stub.c"
+    echo "stub libcuda: $(wc -l <"$link/cuda_stub.c") driver entry points"
+    gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$link/libcuda.so" "$link/cuda_stub.c"
+  fi
+  export RUSTFLAGS="${RUSTFLAGS:-} -L $link"
+  export CARGO_TARGET_DIR=target/cuda-bin
+  cargo build --release --features cuda --example train_gpt
+  local tests
+  tests=$(cargo test --release --features cuda -p kiln-model --test cuda_ops --no-run \
+    --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_ops":
+        print(m["executable"])')
+  rm -rf "$bundle" && mkdir -p "$bundle"
+  cp "$CARGO_TARGET_DIR/release/examples/train_gpt" "$bundle/"
+  cp "$tests" "$bundle/cuda_ops"
+  strip "$bundle/train_gpt" "$bundle/cuda_ops"
+  cp bench/torch_gpt.py "$bundle/"
+  du -sh "$bundle"
+  local bytes
+  bytes=$(du -sb "$bundle" | cut -f1)
+  [ "$bytes" -lt $((64 * 1024 * 1024)) ] || { echo "bundle is $bytes bytes, over 64 MiB" >&2; exit 1; }
+  echo "carry $bundle to the GPU machine and run: scripts/gpu_check.sh run"
+}
+
+run() {
+  [ -d "$bundle" ] || { echo "no $bundle/: run 'scripts/gpu_check.sh build' first" >&2; exit 1; }
+  # CUDA's libraries from the Python packages (torch's nvidia-* wheels)
+  local libs
+  libs=$(python3 - <<'EOF'
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+dirs = set()
+for r in roots:
+    for lib in glob.glob(os.path.join(r, "nvidia", "**", "lib", "lib*.so*"), recursive=True):
+        dirs.add(os.path.dirname(lib))
+print(":".join(sorted(dirs)))
+EOF
+)
+  export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "== op tests on CUDA against the CPU"
+  "$bundle/cuda_ops" --nocapture --test-threads 1
+  echo "== 20 steps of train_gpt (tiny preset, f32, one rank) on CUDA and on the CPU"
+  local common=(--preset tiny --steps 20 --dp 1 --tp 1 --precision f32
+    --eval_every 0 --ckpt_every 0 --metrics.png off --metrics.tensorboard off)
+  "$bundle/train_gpt" "${common[@]}" --device cpu --out runs/gpu_check_cpu | tail -5
+  "$bundle/train_gpt" "${common[@]}" --device cuda --out runs/gpu_check_cuda | tail -5
+  python3 - <<'EOF'
+import json
+def losses(d):
+    return [json.loads(l)["loss"] for l in open(f"runs/{d}/metrics.jsonl") if '"loss"' in l]
+a, b = losses("gpu_check_cpu"), losses("gpu_check_cuda")
+worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+print(f"20-step losses cpu {a[-1]:.6f} cuda {b[-1]:.6f}, worst relative difference {worst:.2e}")
+EOF
+  echo "== throughput: gpt3_small and gpt3_medium, bf16, kiln beside PyTorch"
+  for preset in gpt3_small gpt3_medium; do
+    "$bundle/train_gpt" --preset "$preset" --steps 30 --dp 1 --tp 1 --precision bf16 \
+      --activation_checkpointing none --device cuda --ctx 1024 --batch 8 \
+      --eval_every 0 --ckpt_every 0 --metrics.png off --metrics.tensorboard off \
+      --metrics.peak_flops_per_s 989e12 --out "runs/gpu_bench_$preset" | tail -3
+    python3 "$bundle/torch_gpt.py" --preset "$preset" --steps 30 --ctx 1024 --batch 8 || true
+  done
+}
+
+case "$mode" in
+  build) build ;;
+  run) run ;;
+  *) echo "usage: scripts/gpu_check.sh build|run" >&2; exit 2 ;;
+esac
