@@ -323,6 +323,25 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("RunConfig.precision.scaler"));
+        let e = RunConfig::default()
+            .apply_overrides(&[("device", "tpu")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("RunConfig.device") && e.contains("cuda:N"),
+            "{e}"
+        );
+        if !cfg!(feature = "cuda") {
+            let mut c = RunConfig::default();
+            c.apply_overrides(&[("device", "cuda:1")]).unwrap();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(
+                e.contains("RunConfig.device")
+                    && e.contains("cuda:1")
+                    && e.contains("--features cuda"),
+                "{e}"
+            );
+        }
         let mut c = RunConfig::default();
         c.parallel.zero = 4;
         assert!(c

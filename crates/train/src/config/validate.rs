@@ -16,6 +16,16 @@ impl RunConfig {
         model
             .validate()
             .map_err(|e| TrainError::config("RunConfig.model", e.to_string()))?;
+        if self.device.is_cuda() && !cfg!(feature = "cuda") {
+            return bad(
+                "device",
+                format!(
+                    "{} needs a build with the cuda feature (cargo build --features cuda; \
+                     see docs/gpu.md)",
+                    self.device
+                ),
+            );
+        }
         let p = &self.parallel;
         let shape = model.shape();
         ParallelDims::new(p.dp, p.tp, p.world(), &shape).map_err(|e| {
