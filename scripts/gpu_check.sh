@@ -56,21 +56,24 @@ build() {
   export RUSTFLAGS="${RUSTFLAGS:-} -L $link"
   export CARGO_TARGET_DIR=target/cuda-bin
   cargo build --release --features cuda --example train_gpt
-  local tests
-  tests=$(cargo test --release --features cuda -p kiln-model --test cuda_ops --no-run \
-    --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_ops":
-        print(m["executable"])')
   rm -rf "$bundle" && mkdir -p "$bundle"
   cp "$CARGO_TARGET_DIR/release/examples/train_gpt" "$bundle/"
-  cp "$tests" "$bundle/cuda_ops"
-  strip "$bundle/train_gpt" "$bundle/cuda_ops"
+  # the GPU tests: (package, test target)
+  for t in kiln-model:cuda_ops kiln-parallel:cuda_adamw; do
+    local pkg="${t%%:*}" name="${t##*:}" exe
+    exe=$(cargo test --release --features cuda -p "$pkg" --test "$name" --no-run \
+      --message-format=json 2>/dev/null | NAME="$name" python3 -c 'import json, os, sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == os.environ["NAME"]:
+        print(m["executable"])')
+    cp "$exe" "$bundle/$name"
+    strip "$bundle/$name"
+  done
+  strip "$bundle/train_gpt"
   cp bench/torch_gpt.py "$bundle/"
   du -sh "$bundle"
-  # candle's PTX makes each binary about 50 MB; xz brings the two to about 14 MB
+  # candle's PTX makes each binary about 50 MB; xz shrinks them about 7 times
   tar -cJf "$bundle.tar.xz" "$bundle"
   local bytes
   bytes=$(stat -c %s "$bundle.tar.xz")
@@ -98,6 +101,8 @@ EOF
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   echo "== op tests on CUDA against the CPU"
   "$bundle/cuda_ops" --nocapture --test-threads 1
+  echo "== AdamW on CUDA against the CPU, bitwise"
+  "$bundle/cuda_adamw" --nocapture
   echo "== 20 steps of train_gpt (tiny preset, f32, one rank) on CUDA and on the CPU"
   local common=(--preset tiny --steps 20 --dp 1 --tp 1 --precision f32
     --eval_every 0 --ckpt_every 0 --metrics.png off --metrics.tensorboard off)

@@ -70,29 +70,45 @@ pub struct AdamWState {
     pub v: Vec<f32>,
 }
 
-/// The per-step scalars, each computed in f64 and rounded once to f32, as PyTorch's
-/// `_single_tensor_adam` does with `decoupled_weight_decay=True`.
-#[derive(Debug, Clone, Copy)]
-struct StepConsts {
+/// The per-step scalars of [`AdamW`], each computed in f64 and rounded once to f32, as
+/// PyTorch's `_single_tensor_adam` does with `decoupled_weight_decay=True`. Public so that a
+/// kernel elsewhere (kiln-parallel's CUDA step) applies exactly the CPU's constants:
+/// [`AdamWConfig::step_consts`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepConsts {
     /// `1 - lr * weight_decay` (`param.mul_(1 - lr * weight_decay)`).
-    decay: f32,
+    pub decay: f32,
     /// `1 - beta1`, the weight of `exp_avg.lerp_(grad, 1 - beta1)`.
-    lerp_w: f32,
+    pub lerp_w: f32,
     /// `1 - lerp_w` in f32, for lerp's large-weight branch.
-    lerp_w_comp: f32,
+    pub lerp_w_comp: f32,
     /// `beta2`.
-    beta2: f32,
+    pub beta2: f32,
     /// `1 - beta2` (`addcmul_(grad, grad, value=1 - beta2)`).
-    one_minus_beta2: f32,
+    pub one_minus_beta2: f32,
     /// `sqrt(1 - beta2^t)`.
-    bc2_sqrt: f32,
+    pub bc2_sqrt: f32,
     /// `eps`.
-    eps: f32,
+    pub eps: f32,
     /// `-lr / (1 - beta1^t)` (`param.addcdiv_(exp_avg, denom, value=-step_size)`).
-    neg_step_size: f32,
+    pub neg_step_size: f32,
+}
+
+impl AdamWConfig {
+    /// The constants of optimizer step `step` (1 for the first) at learning rate `lr` for
+    /// elements whose weight decay is `weight_decay`.
+    pub fn step_consts(&self, weight_decay: f64, lr: f32, step: u64) -> StepConsts {
+        StepConsts::new(self, weight_decay, lr, step)
+    }
 }
 
 impl StepConsts {
+    /// Whether lerp takes its small-weight branch (`m + w (g - m)`, for `|w| < 0.5`) rather
+    /// than `g - (g - m)(1 - w)`.
+    pub fn small_weight(&self) -> bool {
+        self.lerp_w.abs() < 0.5
+    }
+
     fn new(cfg: &AdamWConfig, weight_decay: f64, lr: f32, step: u64) -> Self {
         let lr = lr as f64;
         // PyTorch computes `beta ** step` with a float step: powf, not repeated products
@@ -156,7 +172,7 @@ fn adamw_block<const SMALL_W: bool>(
 }
 
 fn adamw_range(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: StepConsts) {
-    let small = c.lerp_w.abs() < 0.5;
+    let small = c.small_weight();
     let blocks = p
         .chunks_mut(BLOCK)
         .zip(g.chunks(BLOCK))

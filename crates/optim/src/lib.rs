@@ -40,7 +40,7 @@ mod optimizer;
 mod schedule;
 mod sgd;
 
-pub use adamw::{AdamW, AdamWConfig, AdamWState, PARALLEL_MIN_LEN};
+pub use adamw::{AdamW, AdamWConfig, AdamWState, StepConsts, PARALLEL_MIN_LEN};
 pub use clip::{
     clip_grad_norm, clip_grad_norm_local, clip_to_norm, global_grad_norm, ClipReport, SquareSum,
 };

@@ -22,6 +22,8 @@
 //! ```
 #![deny(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dims;
 mod engine;
 mod error;
