@@ -193,7 +193,11 @@ impl Optimizer for Sgd {
             neg_lr: -lr,
             first,
         };
-        let (base, overrides) = (consts(cfg.weight_decay), self.decay_overrides.clone());
+        // taken out for the loop and put back: no copy of the list per step
+        let (base, overrides) = (
+            consts(cfg.weight_decay),
+            std::mem::take(&mut self.decay_overrides),
+        );
         let mut done = 0;
         for o in &overrides {
             if o.range.start > done {
@@ -205,6 +209,7 @@ impl Optimizer for Sgd {
         if done < params.len() {
             self.update(done..params.len(), params, grads, base);
         }
+        self.decay_overrides = overrides;
         self.step += 1;
         Ok(())
     }

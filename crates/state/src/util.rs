@@ -20,8 +20,11 @@ pub fn splitmix64(x: u64) -> u64 {
 /// panic into an error that says what happened.
 ///
 /// ```
-/// let p = std::panic::catch_unwind(|| panic!("rank {} fell over", 3)).unwrap_err();
-/// assert_eq!(kiln_state::panic_message(p.as_ref()), "rank 3 fell over");
+/// // what `std::thread::JoinHandle::join` returns for `panic!("rank {} fell over", 3)`
+/// let payload: Box<dyn std::any::Any + Send> = Box::new(format!("rank {} fell over", 3));
+/// assert_eq!(kiln_state::panic_message(payload.as_ref()), "rank 3 fell over");
+/// let literal: Box<dyn std::any::Any + Send> = Box::new("stalled");
+/// assert_eq!(kiln_state::panic_message(literal.as_ref()), "stalled");
 /// ```
 pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = payload.downcast_ref::<&str>() {
