@@ -381,6 +381,10 @@ impl Optimizer for AdamW {
     fn state_buffers_mut(&mut self) -> Vec<(&'static str, &mut [f32])> {
         vec![("exp_avg", &mut self.m), ("exp_avg_sq", &mut self.v)]
     }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
 }
 /// AdamW as a kiln-state component, in PyTorch's terms: tensors `exp_avg` and `exp_avg_sq`
 /// (this optimizer's flat buffers) and metadata `step` and `config`. Loading checks the lengths

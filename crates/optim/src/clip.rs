@@ -138,6 +138,27 @@ impl SquareSum {
         }
     }
 
+    /// Adds squares binned elsewhere, as a GPU kernel bins them (kiln-parallel's CUDA step):
+    /// for each exponent field `e` in `1..=254`, `high[e] * 2^24 + low[e]` is a sum of squared
+    /// significands `mant^2` of values `mant * 2^(e - 150)` (subnormals counted at `e = 1`
+    /// without the implicit bit, as [`SquareSum::add`] does); `nan` and `inf` say whether a NaN or
+    /// an infinity was met. Entries 0 and 255 must be zero (a non-zero one makes the sum NaN:
+    /// the binning was wrong). Integer bins are exact, so the result is the same as adding the
+    /// values here, bit for bit.
+    pub fn add_bins(&mut self, high: &[u64; 256], low: &[u64; 256], nan: bool, inf: bool) {
+        for e in 1..255 {
+            if low[e] != 0 {
+                self.add_shifted(low[e], 2 * e - 2);
+            }
+            if high[e] != 0 {
+                self.add_shifted(high[e], 2 * e - 2 + 24);
+            }
+        }
+        self.nan |= nan || high[0] != 0 || low[0] != 0 || high[255] != 0 || low[255] != 0;
+        self.inf |= inf;
+        self.normalize();
+    }
+
     /// Adds `val * 2^shift` (units of 2^-298) to the limbs.
     fn add_shifted(&mut self, val: u64, shift: usize) {
         let limb = shift / 32;

@@ -49,6 +49,13 @@ pub trait Optimizer: Send {
 
     /// The state buffers, writable (to restore them from a checkpoint in place).
     fn state_buffers_mut(&mut self) -> Vec<(&'static str, &mut [f32])>;
+
+    /// The concrete optimizer, for code that runs a known optimizer on its own kernels
+    /// (kiln-parallel's device-resident CUDA step runs [`AdamW`] this way). `None` (the
+    /// default): only [`Optimizer::step`] may update it.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// Builds an optimizer for a buffer of a given length: what a sharded engine calls once per

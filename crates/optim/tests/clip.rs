@@ -240,3 +240,71 @@ fn a_nan_on_one_rank_is_reported_on_every_rank() {
         }
     }
 }
+
+/// The binning a GPU kernel does (kiln-parallel's `square_bins`), on the host: each square's
+/// high and low 24 bits into the bins of its exponent.
+fn device_bins(values: &[f32]) -> ([u64; 256], [u64; 256], bool, bool) {
+    let (mut hi, mut lo, mut nan, mut inf) = ([0u64; 256], [0u64; 256], false, false);
+    for &x in values {
+        let bits = x.to_bits();
+        let e = ((bits >> 23) & 0xff) as usize;
+        let frac = (bits & 0x7f_ffff) as u64;
+        let (sq, bin) = match e {
+            255 => {
+                if frac != 0 {
+                    nan = true;
+                } else {
+                    inf = true;
+                }
+                continue;
+            }
+            0 => (frac * frac, 1),
+            _ => ((frac | 0x80_0000) * (frac | 0x80_0000), e),
+        };
+        hi[bin] += sq >> 24;
+        lo[bin] += sq & 0xff_ffff;
+    }
+    (hi, lo, nan, inf)
+}
+
+#[test]
+fn bins_from_a_device_give_the_same_sum() {
+    let mut values: Vec<f32> = (0..100_000u64)
+        .map(|i| {
+            let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+            (h as f32 / (1u64 << 24) as f32 - 0.5) * 2f32.powi((i % 40) as i32 - 20)
+        })
+        .collect();
+    values.extend([0.0, -0.0, f32::MIN_POSITIVE / 4.0, -1e-40, f32::MAX, 3e38]);
+    let (hi, lo, nan, inf) = device_bins(&values);
+    let mut s = SquareSum::new();
+    s.add_bins(&hi, &lo, nan, inf);
+    assert_eq!(s, SquareSum::of(&values));
+    assert_eq!(
+        s.value().to_bits(),
+        SquareSum::of(&values).value().to_bits()
+    );
+    // in two halves, merged: the same
+    let (a, b) = values.split_at(33_333);
+    let mut two = SquareSum::new();
+    for part in [a, b] {
+        let (hi, lo, nan, inf) = device_bins(part);
+        two.add_bins(&hi, &lo, nan, inf);
+    }
+    assert_eq!(two, s);
+    // inf and NaN are flags, as with add
+    let (hi, lo, nan, inf) = device_bins(&[1.0, f32::INFINITY]);
+    let mut i = SquareSum::new();
+    i.add_bins(&hi, &lo, nan, inf);
+    assert_eq!(i.value(), f64::INFINITY);
+    let (hi, lo, nan, inf) = device_bins(&[f32::NAN, f32::INFINITY]);
+    let mut n = SquareSum::new();
+    n.add_bins(&hi, &lo, nan, inf);
+    assert!(n.value().is_nan());
+    // a malformed binning (entry 0 used) is NaN, never a silently wrong sum
+    let mut bad = [0u64; 256];
+    bad[0] = 1;
+    let mut m = SquareSum::new();
+    m.add_bins(&bad, &[0; 256], false, false);
+    assert!(m.value().is_nan());
+}

@@ -393,12 +393,20 @@ impl Stateful for DataParallel {
         let plan = self.shard_plan().map_err(engine_err)?;
         let dp = self.dp_comm();
         let mut sd = StateDict::new();
-        let master: Vec<&[f32]> = self.master().iter().map(Vec::as_slice).collect();
+        // a device-resident step's buffers are copied to the host here, and only here
+        let device = self.device_snapshot().map_err(engine_err)?;
+        let master: Vec<&[f32]> = match &device {
+            Some((m, _)) => m.iter().map(Vec::as_slice).collect(),
+            None => self.master().iter().map(Vec::as_slice).collect(),
+        };
         plan.save_buffers(dp, &mut sd, PARAM, &master)?;
         let opt = self.optimizers();
         let (name, prefixes) = self.optimizer_layout();
         for (b, prefix) in prefixes.iter().enumerate() {
-            let bufs: Vec<&[f32]> = opt.iter().map(|o| o.state_buffers()[b].1).collect();
+            let bufs: Vec<&[f32]> = match &device {
+                Some((_, ob)) => ob[b].iter().map(Vec::as_slice).collect(),
+                None => opt.iter().map(|o| o.state_buffers()[b].1).collect(),
+            };
             plan.save_buffers(dp, &mut sd, prefix, &bufs)?;
         }
         sd.set_meta("step", opt.first().map_or(0, |o| o.step_count()))?;
@@ -421,6 +429,7 @@ impl Stateful for DataParallel {
                 "the checkpoint holds the state of optimizer {saved:?}, this engine runs {name:?}"
             )));
         }
+        self.sync_host().map_err(engine_err)?;
         let mut master: Vec<Vec<f32>> = self.master().to_vec();
         plan.load_buffers(&state, PARAM, &mut master)?;
         let mut loaded: Vec<Vec<Vec<f32>>> = Vec::with_capacity(prefixes.len());

@@ -14,6 +14,12 @@ use kiln_precision::{unscale_and_check, LossScaler};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "cuda")]
+mod resident;
+
+/// The master values per unit and the optimizer's buffers (per buffer, per unit), on the host.
+pub(crate) type HostState = (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>);
+
 /// Data parallel (optionally ZeRO-sharded) training of a [`SegmentedModel`] over a data-parallel
 /// communicator. See the module docs.
 pub struct DataParallel {
@@ -52,6 +58,9 @@ pub struct DataParallel {
     pending: Option<(StepPreview, Instant)>,
     /// A reused buffer (the master chunk before an update, for update norms).
     scratch: Vec<f32>,
+    /// The device buffers of the device-resident step, once set up (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    resident: Option<resident::Resident>,
 }
 
 impl std::fmt::Debug for DataParallel {
@@ -171,6 +180,8 @@ impl DataParallel {
             layout,
             pending: None,
             scratch: Vec::new(),
+            #[cfg(feature = "cuda")]
+            resident: None,
         };
         if matches!(stage, Stage::Zero1 | Stage::Zero2) {
             dp_engine.gather_into_vars()?;
@@ -255,6 +266,44 @@ impl DataParallel {
         &self.device
     }
 
+    /// Whether the optimizer phase runs device-resident: master weights, gradient buckets and
+    /// AdamW moments in CUDA buffers, fused kernels for unscale, norm, clipping and AdamW,
+    /// nothing of the parameters' size copied to the host in a step. True with the `cuda`
+    /// feature when the model is on a CUDA device, the data-parallel group has one rank, the
+    /// stage is not ZeRO-3 and the optimizer is kiln-optim's AdamW; otherwise gradients and
+    /// updates go through host buffers (correct on any device, slower on a GPU).
+    pub fn is_device_resident(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.resident_eligible()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
+    /// The master values and optimizer buffers from the device when the step is resident
+    /// (`None` otherwise: the host buffers are current).
+    pub(crate) fn device_snapshot(&self) -> Result<Option<HostState>> {
+        #[cfg(feature = "cuda")]
+        {
+            self.resident_snapshot()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            Ok(None)
+        }
+    }
+
+    /// Makes the host buffers current and drops any device buffers (the next backward uploads
+    /// them again): before a restore replaces the host state.
+    pub(crate) fn sync_host(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        self.release_resident()?;
+        Ok(())
+    }
+
     /// The configuration.
     pub fn config(&self) -> &DataParallelConfig {
         &self.cfg
@@ -283,6 +332,7 @@ impl DataParallel {
                 self.steps()
             )));
         }
+        self.sync_host()?;
         let mut optim = Vec::with_capacity(self.master.len());
         for m in &self.master {
             optim.push(factory.build(m.len())?);
@@ -408,6 +458,10 @@ impl DataParallel {
     }
 
     fn gather_unit(&self, u: usize) -> Result<Vec<f32>> {
+        #[cfg(feature = "cuda")]
+        if let Some(full) = self.resident_unit(u)? {
+            return Ok(full);
+        }
         if self.cfg.stage == Stage::Replicated {
             return Ok(self.master[u].clone());
         }
@@ -506,6 +560,10 @@ impl DataParallel {
                 model.num_segments(),
                 self.layout.num_segments()
             )));
+        }
+        #[cfg(feature = "cuda")]
+        if self.resident_eligible() {
+            return self.backward_resident(model, micro_batches, scaler);
         }
         let t0 = Instant::now();
         let scale = scaler.scale();
@@ -610,6 +668,10 @@ impl DataParallel {
         let Some(norm) = preview.grad_norm.filter(|_| !preview.found_inf) else {
             return Ok(report(&preview, false, t_opt));
         };
+        #[cfg(feature = "cuda")]
+        if self.resident.is_some() {
+            return self.apply_resident(preview, t_opt, norm, lr);
+        }
         let mut clipped = false;
         if let Some(max_norm) = self.cfg.max_grad_norm {
             for u in 0..self.layout.units().len() {
@@ -767,7 +829,10 @@ impl DataParallel {
         &mut self.optim
     }
 
-    /// This rank's fp32 master values per unit (the chunk it owns, or the whole unit).
+    /// This rank's fp32 master values per unit (the chunk it owns, or the whole unit), as the
+    /// host holds them: when the step is device-resident ([`DataParallel::is_device_resident`])
+    /// these are refreshed only by a restore; [`DataParallel::full_params`] and the engine's
+    /// checkpoint state read the device.
     pub fn master(&self) -> &[Vec<f32>] {
         &self.master
     }
@@ -788,6 +853,8 @@ impl DataParallel {
             });
         }
         self.master = master;
+        #[cfg(feature = "cuda")]
+        self.resident_load_master()?;
         if self.cfg.stage != Stage::Zero3 {
             self.gather_into_vars()?;
         }
