@@ -8,7 +8,8 @@
 #                                bundles them in gpu_bundle/ (under 64 MiB).
 #   scripts/gpu_check.sh run     on the GPU machine (no cargo, no network; NVIDIA driver, and a
 #                                Python whose nvidia-* packages carry CUDA's libraries): the op
-#                                tests against the CPU, a 20-step train_gpt on CUDA against the
+#                                tests against the CPU (fused ops, AdamW, tensor-parallel
+#                                ops on 2 thread ranks), a 20-step train_gpt on CUDA against the
 #                                same 20 steps on the CPU, and throughput with MFU beside
 #                                PyTorch (bench/torch_gpt.py) on the same model.
 #
@@ -59,7 +60,7 @@ build() {
   rm -rf "$bundle" && mkdir -p "$bundle"
   cp "$CARGO_TARGET_DIR/release/examples/train_gpt" "$bundle/"
   # the GPU tests: (package, test target)
-  for t in kiln-model:cuda_ops kiln-parallel:cuda_adamw; do
+  for t in kiln-model:cuda_ops kiln-parallel:cuda_adamw kiln-parallel:cuda_tp; do
     local pkg="${t%%:*}" name="${t##*:}" exe
     exe=$(cargo test --release --features cuda -p "$pkg" --test "$name" --no-run \
       --message-format=json 2>/dev/null | NAME="$name" python3 -c 'import json, os, sys
@@ -103,6 +104,8 @@ EOF
   "$bundle/cuda_ops" --nocapture --test-threads 1
   echo "== AdamW on CUDA against the CPU, bitwise"
   "$bundle/cuda_adamw" --nocapture
+  echo "== tensor-parallel ops on CUDA (staged through the host) against the CPU, 2 thread ranks"
+  "$bundle/cuda_tp" --nocapture --test-threads 1
   echo "== 20 steps of train_gpt (tiny preset, f32, one rank) on CUDA and on the CPU"
   local common=(--preset tiny --steps 20 --dp 1 --tp 1 --precision f32
     --eval_every 0 --ckpt_every 0 --metrics.png off --metrics.tensorboard off)

@@ -18,6 +18,12 @@
 //! failed collective inside an op comes back as a candle error carrying the
 //! [`kiln_comm::CommError`] text.
 //!
+//! The ops run on CPU tensors and, with the `cuda` feature, on CUDA tensors. kiln-comm's
+//! communicators work on host slices, so on CUDA every collective (and the cross-entropy's
+//! row statistics) stages through host memory until a device communicator (NCCL) exists: one
+//! device-to-host copy of the op's input, the same host code as on the CPU, one host-to-device
+//! copy of its result.
+//!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
 //! use kiln_parallel::tp::{ColumnParallelLinear, RowParallelLinear, TpComm};
@@ -42,6 +48,8 @@
 mod linear;
 mod ops;
 mod shard;
+#[cfg(feature = "cuda")]
+mod staging;
 mod vocab;
 
 pub use linear::{

@@ -3,6 +3,9 @@
 //!
 //! Each op runs its collective on the CPU storage of its input (f32, f16, bf16 or f64; half
 //! precision is reduced in f32 by kiln-comm) and its backward calls the conjugate collective.
+//! On CUDA (feature `cuda`) the ops stage through host memory until a device communicator
+//! (NCCL) exists: the input is copied to the host, the same host logic runs, and the result is
+//! copied back to a new buffer on the input's device.
 //! A failed collective surfaces as a candle error that carries the [`kiln_comm::CommError`]
 //! text, never as a panic. Every rank of the group must apply the same ops in the same order,
 //! forward and backward, as for any collective.
@@ -153,6 +156,16 @@ impl CustomOp1 for AllReduce {
         let out = map_float_storage!(s, op, |v| all_reduced(v, l, &*self.comm, self.reduce, op)?);
         Ok((out, l.shape().clone()))
     }
+
+    /// The same host logic as `cpu_fwd`, staged through host memory (see the module docs).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        super::staging::staged_fwd(self, s, l)
+    }
 }
 
 /// Megatron's `f`: identity forward, all-reduce (sum) of the gradient backward.
@@ -169,6 +182,16 @@ impl CustomOp1 for CopyToTp {
         let op = self.name();
         let out = map_float_storage!(s, op, |v| contiguous(v, l, op)?.to_vec());
         Ok((out, l.shape().clone()))
+    }
+
+    /// The same host logic as `cpu_fwd`, staged through host memory (see the module docs).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        super::staging::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -203,6 +226,16 @@ impl CustomOp1 for ReduceFromTp {
         Ok((out, l.shape().clone()))
     }
 
+    /// The same host logic as `cpu_fwd`, staged through host memory (see the module docs).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        super::staging::staged_fwd(self, s, l)
+    }
+
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(grad.clone()))
     }
@@ -223,6 +256,16 @@ impl CustomOp1 for GatherFromTp {
         let (_, n) = rows_and_last(l, op)?;
         let out = map_float_storage!(s, op, |v| gathered_last(v, l, &*self.comm, op)?);
         Ok((out, with_last(l, n * self.comm.world_size())))
+    }
+
+    /// The same host logic as `cpu_fwd`, staged through host memory (see the module docs).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        super::staging::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -249,6 +292,16 @@ impl CustomOp1 for ScatterToTp {
         let (_, wide) = rows_and_last(l, op)?;
         let out = map_float_storage!(s, op, |v| scattered_last(v, l, world, rank, op)?);
         Ok((out, with_last(l, wide / world)))
+    }
+
+    /// The same host logic as `cpu_fwd`, staged through host memory (see the module docs).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        super::staging::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {

@@ -1,6 +1,11 @@
 //! The vocab-parallel token embedding, its tied LM head and the vocab-parallel cross-entropy
 //! (Megatron-LM): each rank holds `vocab / tp` rows of the embedding and produces the logits
 //! of its own slice of the vocabulary; the loss is computed without gathering the logits.
+//!
+//! On CUDA (feature `cuda`) the cross-entropy stages through host memory until a device
+//! communicator (NCCL) exists: the logits are copied to the host for the row statistics the
+//! group reduces and for the gradient, which runs the same host code as on the CPU and is
+//! copied back to the logits' device; the loss itself is written straight to the device.
 
 use crate::error::{ParallelError, Result};
 use crate::tp::linear::column_parallel_linear;
@@ -191,13 +196,24 @@ fn reduced_row_stats(
     comm: &TpComm,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     let (storage, layout) = logits.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        return Err(ParallelError::Param {
-            name: "vocab-parallel logits".into(),
-            expected: "a tensor on the cpu".into(),
-            got: format!("{:?}", logits.device().location()),
-        });
+    #[cfg(feature = "cuda")]
+    let staged;
+    let (cpu, layout) = match &*storage {
+        Storage::Cpu(cpu) => (cpu, layout.clone()),
+        #[cfg(feature = "cuda")]
+        Storage::Cuda(cuda) => {
+            staged = crate::tp::staging::to_host(cuda, layout, CE_OP)?;
+            (&staged, Layout::contiguous(layout.shape()))
+        }
+        _ => {
+            return Err(ParallelError::Param {
+                name: "vocab-parallel logits".into(),
+                expected: "a tensor on the cpu, or on a cuda device with the cuda feature".into(),
+                got: format!("{:?}", logits.device().location()),
+            })
+        }
     };
+    let layout = &layout;
     let c = |e| ParallelError::from(e);
     match cpu {
         CpuStorage::F32(x) => {
@@ -322,12 +338,9 @@ struct VocabCrossEntropy {
     stats: Arc<CeStats>,
 }
 
-impl CustomOp1 for VocabCrossEntropy {
-    fn name(&self) -> &'static str {
-        "kiln-tp-vocab-cross-entropy"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+impl VocabCrossEntropy {
+    /// The mean loss as a host scalar: f64 for f64 logits, f32 otherwise.
+    fn loss(&self, logits: DType) -> CpuStorage {
         let st = &self.stats;
         let loss = if st.count == 0 {
             0.0
@@ -338,10 +351,34 @@ impl CustomOp1 for VocabCrossEntropy {
                 .sum();
             total / st.count as f64
         };
-        let out = match s {
-            CpuStorage::F64(_) => CpuStorage::F64(vec![loss]),
+        match logits {
+            DType::F64 => CpuStorage::F64(vec![loss]),
             _ => CpuStorage::F32(vec![loss as f32]),
-        };
+        }
+    }
+}
+
+impl CustomOp1 for VocabCrossEntropy {
+    fn name(&self) -> &'static str {
+        "kiln-tp-vocab-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((self.loss(s.dtype()), Shape::from(())))
+    }
+
+    /// The loss computed on the host from the reduced statistics (the logits are not read
+    /// again), written to a new scalar on the logits' device.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendDevice;
+        let out = s
+            .device()
+            .storage_from_cpu_storage_owned(self.loss(s.dtype()))?;
         Ok((out, Shape::from(())))
     }
 
@@ -424,6 +461,17 @@ impl CustomOp1 for VocabCrossEntropyBwd {
             other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), op)),
         };
         Ok((out, l.shape().clone()))
+    }
+
+    /// The same host logic as `cpu_fwd`, the logits staged through host memory (see the
+    /// module docs).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::tp::staging::staged_fwd(self, s, l)
     }
 }
 
