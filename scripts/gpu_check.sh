@@ -60,7 +60,8 @@ build() {
   rm -rf "$bundle" && mkdir -p "$bundle"
   cp "$CARGO_TARGET_DIR/release/examples/train_gpt" "$bundle/"
   # the GPU tests: (package, test target)
-  for t in kiln-model:cuda_ops kiln-parallel:cuda_adamw kiln-parallel:cuda_tp; do
+  for t in kiln-model:cuda_ops kiln-model:cuda_attention kiln-parallel:cuda_adamw \
+      kiln-parallel:cuda_tp kiln-parallel:cuda_resident; do
     local pkg="${t%%:*}" name="${t##*:}" exe
     exe=$(cargo test --release --features cuda -p "$pkg" --test "$name" --no-run \
       --message-format=json 2>/dev/null | NAME="$name" python3 -c 'import json, os, sys
@@ -102,12 +103,19 @@ EOF
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   echo "== op tests on CUDA against the CPU"
   "$bundle/cuda_ops" --nocapture --test-threads 1
+  echo "== fused causal attention on CUDA against the CPU"
+  "$bundle/cuda_attention" --nocapture --test-threads 1
   echo "== AdamW on CUDA against the CPU, bitwise"
   "$bundle/cuda_adamw" --nocapture
+  echo "== the device-resident step against the CPU step, bitwise (GPU <-> CPU state too)"
+  "$bundle/cuda_resident" --nocapture
   echo "== tensor-parallel ops on CUDA (staged through the host) against the CPU, 2 thread ranks"
   "$bundle/cuda_tp" --nocapture --test-threads 1
   echo "== 20 steps of train_gpt (tiny preset, f32, one rank) on CUDA and on the CPU"
-  local common=(--preset tiny --steps 20 --dp 1 --tp 1 --precision f32
+  # the tiny model at its context; a constant LR after warmup, so a 10-step run is the first
+  # half of the 20-step one
+  local common=(--preset tiny --ctx 64 --steps 20 --dp 1 --tp 1 --precision f32
+    --optim.schedule.warmup_steps 5 --optim.schedule.decay constant
     --eval_every 0 --ckpt_every 0 --metrics.png off --metrics.tensorboard off)
   "$bundle/train_gpt" "${common[@]}" --device cpu --out runs/gpu_check_cpu | tail -5
   "$bundle/train_gpt" "${common[@]}" --device cuda --out runs/gpu_check_cuda | tail -5
@@ -117,8 +125,26 @@ def losses(d):
     rows = [json.loads(l) for l in open(f"runs/{d}/metrics.jsonl")]
     return [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
 a, b = losses("gpu_check_cpu"), losses("gpu_check_cuda")
+assert len(a) == len(b) == 20, (len(a), len(b))
 worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
 print(f"20-step losses cpu {a[-1]:.6f} cuda {b[-1]:.6f}, worst relative difference {worst:.2e}")
+# f32 on both; only the reduction order differs (cuBLAS, block-wide sums)
+assert worst < 1e-3, f"CUDA and CPU losses differ by {worst:.2e} (tolerance 1e-3)"
+EOF
+  echo "== a checkpoint written on CUDA resumes on the CPU (10 + 10 steps against 20 on the CPU)"
+  "$bundle/train_gpt" "${common[@]}" --steps 10 --ckpt_every 10 --device cuda \
+    --out runs/gpu_check_resume | tail -2
+  "$bundle/train_gpt" "${common[@]}" --ckpt_every 10 --resume --device cpu \
+    --out runs/gpu_check_resume | tail -3
+  python3 - <<'EOF'
+import json
+def losses(d):
+    rows = [json.loads(l) for l in open(f"runs/{d}/metrics.jsonl")]
+    return {r["step"]: r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))}
+a, b = losses("gpu_check_cpu"), losses("gpu_check_resume")
+worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in range(11, 21))
+print(f"steps 11-20 resumed on the CPU from a CUDA checkpoint: worst relative difference {worst:.2e}")
+assert worst < 1e-3, f"resumed run differs by {worst:.2e} (tolerance 1e-3)"
 EOF
   echo "== throughput: gpt3_small and gpt3_medium, bf16, kiln beside PyTorch"
   for preset in gpt3_small gpt3_medium; do

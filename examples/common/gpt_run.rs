@@ -21,6 +21,13 @@ pub fn main_for(preset: &str) -> anyhow::Result<()> {
     let tokenizer_path = cfg.data_cache_dir()?.join("tokenizer.json");
     let results = run_with(&cfg, |ctx| {
         let mut trainer = Trainer::builder(ctx.config.clone()).build(ctx.comm)?;
+        let engine = trainer.engine();
+        if engine.is_device_resident() && engine.dp_dims().1 == 0 && engine.tp_dims().1 == 0 {
+            println!(
+                "  optimizer step device-resident: fp32 master weights, gradients and AdamW moments on {}",
+                ctx.config.device
+            );
+        }
         while trainer.step() < ctx.config.train.steps {
             trainer.train_step()?;
         }
@@ -60,9 +67,10 @@ fn print_header(preset: &str, cfg: &RunConfig) -> anyhow::Result<()> {
         gpt.param_count() as f64 / 1e6
     );
     println!(
-        "  {} {} as dp={} x tp={}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}",
+        "  {} {} on {} as dp={} x tp={}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}",
         cfg.parallel.world(),
         if cfg.parallel.backend == Backend::Thread { "thread ranks" } else { "MPI processes" },
+        cfg.device,
         cfg.parallel.dp,
         cfg.parallel.tp,
         cfg.parallel.zero,

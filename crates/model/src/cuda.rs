@@ -41,8 +41,9 @@ macro_rules! by_dtype {
         }
     };
 }
+pub(crate) use by_dtype;
 
-fn err(op: &str, msg: impl std::fmt::Display) -> candle_core::Error {
+pub(crate) fn err(op: &str, msg: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::msg(format!("{op} (cuda): {msg}"))
 }
 
@@ -97,17 +98,21 @@ fn elementwise(op: &str, len: usize) -> Result<LaunchConfig> {
     cfg(op, len.div_ceil(256), 256)
 }
 
-fn int(op: &str, v: usize) -> Result<i32> {
+pub(crate) fn int(op: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| err(op, format!("size {v} does not fit the kernel's int")))
 }
 
 /// A fresh device buffer every element of which the kernel writes.
-fn output<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+pub(crate) fn output<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
     // SAFETY: every launch below writes all `len` elements before anything reads them.
     unsafe { dev.alloc::<T>(len) }
 }
 
-fn wrap<T: KernelElem>(out: CudaSlice<T>, dev: &CudaDevice, shape: Shape) -> (CudaStorage, Shape) {
+pub(crate) fn wrap<T: KernelElem>(
+    out: CudaSlice<T>,
+    dev: &CudaDevice,
+    shape: Shape,
+) -> (CudaStorage, Shape) {
     (CudaStorage::wrap_cuda_slice(out, dev.clone()), shape)
 }
 

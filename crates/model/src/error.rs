@@ -33,6 +33,18 @@ pub enum ModelError {
         /// What the value must be.
         expected: &'static str,
     },
+    /// A numeric argument of an operation is out of its valid range.
+    #[error("{op}: {what} is {value}, expected {expected}")]
+    InvalidArgument {
+        /// The operation.
+        op: &'static str,
+        /// Which argument.
+        what: &'static str,
+        /// The value given.
+        value: f64,
+        /// What the value must be.
+        expected: &'static str,
+    },
     /// A device that cannot be used: misspelt, not built in, or not present.
     #[error("device {device:?}: {reason}")]
     Device {

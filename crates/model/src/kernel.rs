@@ -28,6 +28,9 @@ pub(crate) trait Float:
     fn ln(self) -> Self;
     fn sqrt(self) -> Self;
     fn max(self, other: Self) -> Self;
+    /// `self * a + b` with one rounding (the standard library's `mul_add`): a single
+    /// instruction only where the caller was compiled with FMA, a slow library call elsewhere.
+    fn mul_add(self, a: Self, b: Self) -> Self;
     /// `exp`, through a branch-free polynomial for f32 (about 2 ulp, auto-vectorisable),
     /// the standard library's for f64.
     fn fast_exp(self) -> Self;
@@ -85,6 +88,10 @@ macro_rules! impl_float {
             #[inline(always)]
             fn max(self, other: Self) -> Self {
                 <$t>::max(self, other)
+            }
+            #[inline(always)]
+            fn mul_add(self, a: Self, b: Self) -> Self {
+                <$t>::mul_add(self, a, b)
             }
             #[inline(always)]
             fn fast_exp(self) -> Self {
@@ -284,6 +291,48 @@ where
         .map(|m| m.into_inner().ok().flatten())
         .collect::<Option<Vec<R>>>()
         .ok_or_else(|| candle_core::Error::msg("fused kernel: a worker chunk did not complete"))
+}
+
+/// Runs `f(state, index, item)` once for each item, on candle's worker pool when there are
+/// several items and the total work (in element-operations) is large; each run of consecutive
+/// items on one worker shares one `state` from `init` (scratch buffers). For kernels whose
+/// tasks write several disjoint outputs: the items hold each task's `&mut` slices.
+pub(crate) fn par_each<I, S, F>(
+    items: Vec<I>,
+    work_per_item: usize,
+    init: impl Fn() -> S + Sync,
+    f: F,
+) -> candle_core::Result<()>
+where
+    I: Send,
+    F: Fn(&mut S, usize, I) + Sync,
+{
+    let n = items.len();
+    if n <= 1 || n * work_per_item.max(1) < PAR_MIN_WORK {
+        let mut state = init();
+        for (i, item) in items.into_iter().enumerate() {
+            f(&mut state, i, item);
+        }
+        return Ok(());
+    }
+    let slots: Vec<Mutex<Option<I>>> = items.into_iter().map(|i| Mutex::new(Some(i))).collect();
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        let mut state = init();
+        for i in range {
+            if let Some(item) = slots[i].lock().ok().and_then(|mut g| g.take()) {
+                f(&mut state, i, item);
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    });
+    if done.into_inner() == n {
+        Ok(())
+    } else {
+        Err(candle_core::Error::msg(
+            "fused kernel: a worker task did not complete",
+        ))
+    }
 }
 
 /// A `Vec` of `n` elements to be fully overwritten by a kernel.

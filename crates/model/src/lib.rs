@@ -9,8 +9,9 @@
 //!   executor; parameters are named `Var`s initialised from `(seed, name)` streams.
 //! - [`LayerFactory`] / [`LinearLayer`]: the seam where tensor-parallel, LoRA or fake-quantised
 //!   linear layers replace [`DenseFactory`]'s dense ones.
-//! - [`ops`]: layer norm, causal softmax, GELU and cross-entropy as candle custom ops with a
-//!   fused CPU forward and a backward (candle's own fused softmax and layer norm have none);
+//! - [`ops`]: layer norm, causal softmax, fused causal attention, GELU and cross-entropy as
+//!   candle custom ops with a fused CPU forward and a backward (candle's own fused softmax and
+//!   layer norm have none);
 //!   [`reference`](mod@reference) holds composite equivalents.
 //! - [`generate`]: greedy and top-k sampling.
 //!
@@ -35,6 +36,8 @@
 mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_attn;
 mod device;
 mod error;
 mod generate;

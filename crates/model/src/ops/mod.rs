@@ -1,15 +1,19 @@
 //! Trainable fused ops: each a candle custom op with a fused CPU forward (f32, f64, f16, bf16
 //! storage; half types compute in f32) and a backward built from a second fused kernel.
+//! [`causal_attention`] fuses the whole attention product (scores, causal softmax, values)
+//! without materialising the `seq x seq` scores.
 //!
 //! candle's own `softmax_last_dim` and `layer_norm` build no backward node on contiguous
 //! input, so training through them silently leaves the weights unchanged; the model uses these
 //! instead. [`reference`](mod@crate::reference) holds composite equivalents for comparison.
 
+mod attention;
 mod cross_entropy;
 mod gelu;
 mod layer_norm;
 mod softmax;
 
+pub use attention::causal_attention;
 pub use cross_entropy::cross_entropy;
 pub use gelu::{bias_gelu, gelu};
 pub use layer_norm::layer_norm;

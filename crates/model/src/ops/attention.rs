@@ -1,0 +1,352 @@
+//! Fused causal attention, `softmax(scale * q k^T, causal) v`, without the `t x t` score matrix,
+//! and its backward.
+//!
+//! The forward keeps one number per query row, the logsumexp `L` of its scaled scores, in the
+//! op object (candle keeps that object in the graph, so the backward finds it): the backward
+//! recomputes each probability as `exp(scale * q.k - L)` instead of storing them. The CPU
+//! kernels (`cpu`) take one head per task and its queries in blocks; the CUDA ones tile queries
+//! and keys flash-attention-2 style (`kernels/attn.cu`, launched from `crate::cuda_attn`).
+
+use crate::error::{ModelError, Result};
+use crate::kernel::{contiguous, is_float, same_type, with_float_storage, Elem, FLOAT_DTYPES};
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use std::sync::{Arc, Mutex};
+
+mod cpu;
+
+const OP: &str = "causal_attention";
+
+/// Causal attention of `q`, `k`, `v` of shape `[batch, heads, seq, head_dim]`: row `i` of the
+/// output is `sum_j p_ij v_j` over the keys `j <= i`, with `p_i = softmax(scale * q_i . k_j)`.
+/// The same as `causal_softmax_scaled(q.matmul(k.t()), scale).matmul(v)` up to rounding, but
+/// fused: no `seq x seq` matrix exists in the forward or the backward, which recomputes the
+/// probabilities from one logsumexp per row. f32, f64, f16 and bf16 (half types compute in
+/// f32); on CUDA f32, f16 and bf16 with `head_dim <= 256`. Gradients reach `q`, `k` and `v`.
+///
+/// ```
+/// # fn main() -> anyhow::Result<()> {
+/// use candle_core::{Device, Tensor};
+/// let q = Tensor::new(&[[[[1f32, 0.], [0., 1.]]]], &Device::Cpu)?; // [1, 1, 2, 2]
+/// let v = Tensor::new(&[[[[1f32, 2.], [3., 4.]]]], &Device::Cpu)?;
+/// let y = kiln_model::ops::causal_attention(&q, &q, &v, 1.0)?;
+/// // row 0 sees only key 0; row 1 weighs keys 0 and 1 by softmax([0, 1])
+/// let p = 1.0 / (1.0 + (-1f32).exp());
+/// let r = y.flatten_all()?.to_vec1::<f32>()?;
+/// assert_eq!(&r[..2], &[1., 2.]);
+/// assert!((r[2] - (1. + 2. * p)).abs() < 1e-6 && (r[3] - (2. + 2. * p)).abs() < 1e-6);
+/// # Ok(()) }
+/// ```
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let dims = q.dims();
+    if dims.len() != 4 || dims.contains(&0) {
+        return Err(ModelError::Shape {
+            op: OP,
+            what: "q",
+            expected: "[batch, heads, seq, head_dim] with no zero size".into(),
+            got: format!("{dims:?}"),
+        });
+    }
+    for (what, t) in [("k", k), ("v", v)] {
+        if t.dims() != dims {
+            return Err(ModelError::Shape {
+                op: OP,
+                what,
+                expected: format!("{dims:?}, the shape of q"),
+                got: format!("{:?}", t.dims()),
+            });
+        }
+    }
+    let cuda = q.device().is_cuda();
+    let dtype_ok = if cuda {
+        matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16)
+    } else {
+        is_float(q.dtype())
+    };
+    if !dtype_ok {
+        return Err(ModelError::Dtype {
+            op: OP,
+            what: "q",
+            expected: if cuda {
+                "f32, f16 or bf16"
+            } else {
+                FLOAT_DTYPES
+            },
+            got: q.dtype(),
+        });
+    }
+    for (what, t) in [("k", k), ("v", v)] {
+        if t.dtype() != q.dtype() {
+            return Err(ModelError::Dtype {
+                op: OP,
+                what,
+                expected: "the dtype of q",
+                got: t.dtype(),
+            });
+        }
+    }
+    if cuda && dims[3] > MAX_CUDA_HEAD_DIM {
+        return Err(ModelError::Shape {
+            op: OP,
+            what: "q",
+            expected: format!("head_dim <= {MAX_CUDA_HEAD_DIM} on CUDA"),
+            got: format!("{dims:?}"),
+        });
+    }
+    if !scale.is_finite() {
+        return Err(ModelError::InvalidArgument {
+            op: OP,
+            what: "scale",
+            value: scale,
+            expected: "a finite number",
+        });
+    }
+    let op = CausalAttention {
+        scale,
+        lse: Mutex::new(None),
+    };
+    Ok(q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
+}
+
+/// The largest head dimension of the CUDA kernels.
+const MAX_CUDA_HEAD_DIM: usize = 256;
+
+/// The logsumexp of every query row's scaled scores, `[batch * heads * seq]`, as the forward
+/// left it for the backward.
+#[derive(Clone)]
+enum Lse {
+    Cpu(Arc<Vec<f64>>),
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>>),
+}
+
+impl Lse {
+    fn cpu(&self) -> Option<&[f64]> {
+        match self {
+            Lse::Cpu(v) => Some(v),
+            #[cfg(feature = "cuda")]
+            Lse::Cuda(_) => None,
+        }
+    }
+}
+
+/// The forward op: `(q, k, v) -> o`, keeping the logsumexp for the backward.
+struct CausalAttention {
+    scale: f64,
+    lse: Mutex<Option<Lse>>,
+}
+
+impl CausalAttention {
+    fn keep(&self, lse: Lse) -> candle_core::Result<()> {
+        let mut slot = self.lse.lock().map_err(|_| poisoned())?;
+        *slot = Some(lse);
+        Ok(())
+    }
+}
+
+fn poisoned() -> candle_core::Error {
+    candle_core::Error::msg(format!("{OP}: the logsumexp slot is poisoned"))
+}
+
+/// `(seq, head_dim)` of a `[batch, heads, seq, head_dim]` layout.
+fn seq_dims(l: &Layout, op: &'static str) -> candle_core::Result<(usize, usize)> {
+    match *l.dims() {
+        [_, _, t, dh] if t > 0 && dh > 0 => Ok((t, dh)),
+        ref d => Err(ModelError::Shape {
+            op,
+            what: "q",
+            expected: "[batch, heads, seq, head_dim] with no zero size".into(),
+            got: format!("{d:?}"),
+        }
+        .into_candle()),
+    }
+}
+
+fn size_error(
+    op: &'static str,
+    what: &'static str,
+    expected: usize,
+    got: usize,
+) -> candle_core::Error {
+    ModelError::Shape {
+        op,
+        what,
+        expected: format!("{expected} elements"),
+        got: format!("{got} elements"),
+    }
+    .into_candle()
+}
+
+impl CustomOp3 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "kiln-causal-attention"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (o, shape, lse) = crate::cuda_attn::attn_fwd((s1, l1), (s2, l2), (s3, l3), self.scale)?;
+        self.keep(Lse::Cuda(Arc::new(lse)))?;
+        Ok((o, shape))
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (t, dh) = seq_dims(l1, op)?;
+        with_float_storage!(s1, op, |qs| {
+            let q = contiguous(qs, l1, op)?;
+            let k = contiguous(same_type(q, s2, op)?, l2, op)?;
+            let v = contiguous(same_type(q, s3, op)?, l3, op)?;
+            for (what, x) in [("k", k), ("v", v)] {
+                if x.len() != q.len() {
+                    return Err(size_error(op, what, q.len(), x.len()));
+                }
+            }
+            let (o, lse) = cpu::forward(&cpu::Qkv { q, k, v, t, dh }, self.scale)?;
+            self.keep(Lse::Cpu(Arc::new(lse)))?;
+            Ok((Elem::into_storage(o), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lse = self.lse.lock().map_err(|_| poisoned())?.clone();
+        let lse = lse.ok_or_else(|| {
+            candle_core::Error::msg(format!("{OP}: backward without the forward's logsumexp"))
+        })?;
+        let bwd = CausalAttentionBwd {
+            scale: self.scale,
+            lse,
+            o: o.contiguous()?,
+            d_o: grad.to_dtype(o.dtype())?.contiguous()?,
+        };
+        let packed = q.apply_op3_no_bwd(k, v, &bwd)?;
+        Ok((
+            Some(packed.get(0)?),
+            Some(packed.get(1)?),
+            Some(packed.get(2)?),
+        ))
+    }
+}
+
+/// The backward op: `(q, k, v) -> [dq; dk; dv]` (stacked on a new first dimension), with the
+/// forward's output `o`, its gradient `d_o` and logsumexp in the op. A custom op takes three
+/// tensors, so `o` and `d_o` travel as fields and the kernels borrow their storage, as
+/// candle-flash-attn does with its ALiBi slopes: neither can share storage with q, k or v (`o`
+/// is the forward's fresh output, `d_o` a gradient made by the ops after it), so the read locks
+/// never meet a writer.
+struct CausalAttentionBwd {
+    scale: f64,
+    lse: Lse,
+    o: Tensor,
+    d_o: Tensor,
+}
+
+/// The storage and layout of a tensor held by an op.
+type Held<'a> = (candle_core::StorageRef<'a>, &'a Layout);
+
+impl CausalAttentionBwd {
+    fn held(&self) -> (Held<'_>, Held<'_>) {
+        (self.o.storage_and_layout(), self.d_o.storage_and_layout())
+    }
+
+    fn wrong_device(&self) -> candle_core::Error {
+        candle_core::Error::msg(format!(
+            "{}: the forward's output, its gradient and q, k, v are not all on one device",
+            self.name()
+        ))
+    }
+}
+
+impl CustomOp3 for CausalAttentionBwd {
+    fn name(&self) -> &'static str {
+        "kiln-causal-attention-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let Lse::Cuda(lse) = &self.lse else {
+            return Err(self.wrong_device());
+        };
+        let ((o, lo), (g, lg)) = self.held();
+        let (candle_core::Storage::Cuda(o), candle_core::Storage::Cuda(g)) = (&*o, &*g) else {
+            return Err(self.wrong_device());
+        };
+        crate::cuda_attn::attn_bwd(
+            [(s1, l1), (s2, l2), (s3, l3), (o, lo), (g, lg)],
+            lse,
+            self.scale,
+        )
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (t, dh) = seq_dims(l1, op)?;
+        let lse = self.lse.cpu().ok_or_else(|| self.wrong_device())?;
+        let ((os, lo), (gs, lg)) = self.held();
+        let (candle_core::Storage::Cpu(os), candle_core::Storage::Cpu(gs)) = (&*os, &*gs) else {
+            return Err(self.wrong_device());
+        };
+        with_float_storage!(s1, op, |qs| {
+            let q = contiguous(qs, l1, op)?;
+            let k = contiguous(same_type(q, s2, op)?, l2, op)?;
+            let v = contiguous(same_type(q, s3, op)?, l3, op)?;
+            let o = contiguous(same_type(q, os, op)?, lo, op)?;
+            let d_o = contiguous(same_type(q, gs, op)?, lg, op)?;
+            let n = q.len();
+            for (what, x) in [("k", k), ("v", v), ("o", o), ("dO", d_o)] {
+                if x.len() != n {
+                    return Err(size_error(op, what, n, x.len()));
+                }
+            }
+            if lse.len() * dh != n {
+                return Err(size_error(op, "logsumexp", n / dh, lse.len()));
+            }
+            let out = cpu::backward(
+                &cpu::Qkv { q, k, v, t, dh },
+                &cpu::Grads { d_o, o, lse },
+                self.scale,
+            )?;
+            let mut dims = vec![3];
+            dims.extend_from_slice(l1.dims());
+            Ok((Elem::into_storage(out), Shape::from(dims)))
+        })
+    }
+}
