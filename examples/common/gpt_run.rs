@@ -69,7 +69,7 @@ fn print_header(preset: &str, cfg: &RunConfig) -> anyhow::Result<()> {
     println!(
         "  {} {} on {} as dp={} x tp={}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}",
         cfg.parallel.world(),
-        if cfg.parallel.backend == Backend::Thread { "thread ranks" } else { "MPI processes" },
+        match cfg.parallel.backend { Backend::Thread => "thread ranks", Backend::Mpi => "MPI processes", _ => "NCCL processes" },
         cfg.device,
         cfg.parallel.dp,
         cfg.parallel.tp,

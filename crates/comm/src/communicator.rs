@@ -106,6 +106,35 @@ impl fmt::Display for Descriptor {
     }
 }
 
+/// What a backend can do, so that callers adapt to it ([`Communicator::capabilities`]): an
+/// engine pads its flat buffers to a multiple of the world when collectives need even chunks,
+/// and keeps device buffers on the device when the backend reduces them there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Capabilities {
+    /// Collectives on device (CUDA) buffers, beside the host slices every backend takes.
+    pub device_buffers: bool,
+    /// Device collectives need equal chunks per rank (`reduce_scatter` / `all_gather` on
+    /// lengths that are a multiple of the world); host slices always follow [`chunk_range`].
+    pub even_chunks_only: bool,
+    /// Reductions add in rank order 0, 1, ..., n-1 (f16 and bf16 in f32): bitwise the same result
+    /// on every backend with this property and at every world size.
+    pub rank_ordered: bool,
+    /// Ranks that call different collectives get [`crate::CommError::Mismatch`] rather than
+    /// undefined results.
+    pub detects_mismatch: bool,
+}
+
+impl Capabilities {
+    /// The host backends' (thread, MPI): host slices, any chunking, rank-ordered reductions,
+    /// mismatches detected.
+    pub const HOST: Capabilities = Capabilities {
+        device_buffers: false,
+        even_chunks_only: false,
+        rank_ordered: true,
+        detects_mismatch: true,
+    };
+}
+
 /// Collective communication among the ranks of a group.
 ///
 /// Object safe: hold a `Box<dyn Communicator>` or `Arc<dyn Communicator>` and call the typed
@@ -147,6 +176,10 @@ pub trait Communicator: Send + Sync {
     /// Splits the group: ranks passing the same `color` form a new group, ordered by `key` then
     /// by their rank here (MPI's `MPI_Comm_split`). Collective over this group.
     fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>>;
+    /// What this backend can do ([`Capabilities::HOST`] unless it says otherwise).
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::HOST
+    }
 }
 
 macro_rules! forward_communicator {
@@ -190,6 +223,9 @@ macro_rules! forward_communicator {
             }
             fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
                 (**self).split(color, key)
+            }
+            fn capabilities(&self) -> Capabilities {
+                (**self).capabilities()
             }
         }
     };

@@ -101,6 +101,15 @@ pub enum CommError {
         /// What went wrong (the key it waited for, the socket error).
         message: String,
     },
+    /// The backend cannot run on this machine (its library or device is missing); nothing was
+    /// started.
+    #[error("{backend} backend unavailable: {reason}")]
+    BackendUnavailable {
+        /// The backend.
+        backend: &'static str,
+        /// Why: which library or device is missing.
+        reason: String,
+    },
     /// A backend-specific failure (MPI, NCCL, CUDA).
     #[error("{backend} backend: {message}")]
     Backend {

@@ -8,6 +8,8 @@
 //!   ranks.
 //! - `MpiComm` (feature `mpi`): one rank per process over MPI, started by mpirun or srun, with
 //!   bitwise the thread backend's results.
+//! - `nccl::NcclComm` (feature `nccl`): one rank per GPU over NCCL (cudarc), collectives on
+//!   device buffers in place and on host slices; see [`Capabilities`] for how it differs.
 //! - [`launch`]: who this process is under torchrun, Open MPI, PMI or Slurm
 //!   ([`launch::LaunchEnv`]), the world communicator of a [`launch::Backend`]
 //!   ([`launch::init_from_env`]), and a TCP rendezvous store ([`launch::TcpStore`]).
@@ -44,11 +46,13 @@ mod error;
 pub mod launch;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod thread;
 #[cfg(any(feature = "mpi", test))]
 mod wire;
 
-pub use communicator::{chunk_range, CommExt, Communicator, Descriptor, OpKind};
+pub use communicator::{chunk_range, Capabilities, CommExt, Communicator, Descriptor, OpKind};
 pub use elem::{Buf, BufMut, CommElem, DType, ReduceOp};
 pub use error::{CommError, Result};
 #[cfg(feature = "mpi")]

@@ -37,6 +37,10 @@ pub enum Backend {
     Thread,
     /// One rank per process over MPI (`MpiComm`, feature `mpi`), launched by mpirun or srun.
     Mpi,
+    /// One rank per process and GPU over NCCL (`nccl::NcclComm`, feature `nccl`): GPU
+    /// `LOCAL_RANK`, NCCL's unique id through the rendezvous store; launched by mpirun, srun or
+    /// any launcher that sets torchrun's variables.
+    Nccl,
 }
 
 impl Backend {
@@ -45,6 +49,7 @@ impl Backend {
         match self {
             Backend::Thread => "thread",
             Backend::Mpi => "mpi",
+            Backend::Nccl => "nccl",
         }
     }
 
@@ -53,6 +58,7 @@ impl Backend {
         match self {
             Backend::Thread => true,
             Backend::Mpi => cfg!(feature = "mpi"),
+            Backend::Nccl => cfg!(feature = "nccl"),
         }
     }
 }
@@ -69,8 +75,9 @@ impl FromStr for Backend {
         match s {
             "thread" => Ok(Backend::Thread),
             "mpi" => Ok(Backend::Mpi),
+            "nccl" => Ok(Backend::Nccl),
             other => Err(CommError::Config(format!(
-                "unknown backend '{other}': expected thread or mpi"
+                "unknown backend '{other}': expected thread, mpi or nccl"
             ))),
         }
     }
@@ -124,7 +131,8 @@ pub fn init_from_env(backend: Backend) -> Result<Launched> {
 /// - `thread`: one process holding one rank; a launcher that asks for more processes is an
 ///   error (the thread backend runs its ranks inside one process: see `kiln_comm::spawn`);
 /// - `mpi`: initialises MPI with `MPI_THREAD_MULTIPLE` and checks that MPI's rank and size
-///   agree with the launcher's variables.
+///   agree with the launcher's variables;
+/// - `nccl`: `nccl::NcclComm::init_from_env` on GPU `LOCAL_RANK`.
 pub fn init_with(backend: Backend, timeout: Duration) -> Result<Launched> {
     let env = LaunchEnv::from_env()?;
     match backend {
@@ -148,7 +156,29 @@ pub fn init_with(backend: Backend, timeout: Duration) -> Result<Launched> {
             })
         }
         Backend::Mpi => init_mpi(env, timeout),
+        Backend::Nccl => init_nccl(env, timeout),
     }
+}
+
+/// NCCL: GPU `LOCAL_RANK`, the unique id through the rendezvous store.
+#[cfg(feature = "nccl")]
+fn init_nccl(env: LaunchEnv, timeout: Duration) -> Result<Launched> {
+    let comm = crate::nccl::NcclComm::init_from_env(0, timeout)?;
+    Ok(Launched {
+        env,
+        backend: Backend::Nccl,
+        comm: Box::new(comm),
+        runtime: Runtime::default(),
+    })
+}
+
+#[cfg(not(feature = "nccl"))]
+fn init_nccl(_env: LaunchEnv, _timeout: Duration) -> Result<Launched> {
+    Err(CommError::Config(
+        "the nccl backend is not built in: enable kiln-comm's `nccl` feature (cargo build \
+         --features nccl,cuda; it needs CUDA's compiler: see docs/gpu.md)"
+            .into(),
+    ))
 }
 
 #[cfg(feature = "mpi")]
