@@ -13,6 +13,12 @@
 //! collective with the agreement check off (`"checked":false`), which is its cost, and then
 //! the thread backend on as many ranks inside rank 0's process, for comparison;
 //! `--stage-kib N` sets the bytes a rank moves per round of a large collective.
+//!
+//! The NCCL backend, one rank per process and GPU: `cargo build --release --features nccl
+//! --example bench_comm`, then start it once per rank with torchrun-style variables (`RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) or under mpirun, with
+//! `--backend nccl`. It first checks each collective's result on device buffers (rank r
+//! contributes r + 1), then times them on device buffers; `memcpy_gbps` is then the host's.
 
 use kiln_comm::{spawn, CommError, CommExt, Communicator, ReduceOp};
 use std::time::Instant;
@@ -149,6 +155,87 @@ fn bench_mpi(_sizes: &[usize], _stage_bytes: Option<usize>) -> anyhow::Result<()
     anyhow::bail!("--backend mpi needs the mpi feature: cargo build --release --features mpi --example bench_comm")
 }
 
+/// One rank per process and GPU over NCCL: device buffers, results checked, then timed; rank 0
+/// prints the slowest rank's median.
+#[cfg(feature = "nccl")]
+fn bench_nccl(sizes: &[usize]) -> anyhow::Result<()> {
+    use kiln_comm::nccl::NcclComm;
+    let comm = NcclComm::init_from_env(0, std::time::Duration::from_secs(120))?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let stream = comm.stream().clone();
+    // correctness on device buffers first: rank r holds r + 1
+    let n = 1000 * world + 7;
+    let mine = vec![(rank + 1) as f32; n];
+    let mut d = stream.clone_htod(&mine)?;
+    comm.all_reduce_device(&mut d, ReduceOp::Sum)?;
+    let want = (world * (world + 1) / 2) as f32;
+    anyhow::ensure!(
+        stream.clone_dtoh(&d)?.iter().all(|&v| v == want),
+        "all_reduce_device: expected {want} everywhere"
+    );
+    let c = n / world;
+    let input = stream.clone_htod(&mine[..c * world])?;
+    let mut out = stream.alloc_zeros::<f32>(c)?;
+    comm.reduce_scatter_device(&input, &mut out, ReduceOp::Sum)?;
+    anyhow::ensure!(
+        stream.clone_dtoh(&out)?.iter().all(|&v| v == want),
+        "reduce_scatter_device: expected {want}"
+    );
+    let part = stream.clone_htod(&vec![rank as f32; c])?;
+    let mut all = stream.alloc_zeros::<f32>(c * world)?;
+    comm.all_gather_device(&part, &mut all)?;
+    let got = stream.clone_dtoh(&all)?;
+    anyhow::ensure!(
+        (0..world).all(|r| got[r * c..(r + 1) * c].iter().all(|&v| v == r as f32)),
+        "all_gather_device: rank r's chunk must hold r"
+    );
+    // the host-slice path with uneven chunks, as the engine's control collectives use it
+    let mut host = vec![(rank + 1) as f64; 5];
+    comm.all_reduce(&mut host, ReduceOp::Avg)?;
+    anyhow::ensure!(
+        host.iter().all(|&v| v == (world + 1) as f64 / 2.0),
+        "host all_reduce Avg"
+    );
+    if rank == 0 {
+        println!("{{\"backend\":\"nccl\",\"world\":{world},\"checks\":\"passed\"}}");
+    }
+    for &bytes in sizes {
+        let memcpy = memcpy_gbps(bytes);
+        let n = (bytes / 4).div_ceil(world) * world;
+        for op in OPS {
+            let mut buf = stream.alloc_zeros::<f32>(n)?;
+            let mut shard = stream.alloc_zeros::<f32>(n / world)?;
+            let reps = reps_for(bytes);
+            let mut times = Vec::with_capacity(reps);
+            for rep in 0..reps + 1 {
+                comm.barrier()?;
+                let t = Instant::now();
+                match op {
+                    "all_reduce" => comm.all_reduce_device(&mut buf, ReduceOp::Sum)?,
+                    "reduce_scatter" => {
+                        comm.reduce_scatter_device(&buf, &mut shard, ReduceOp::Sum)?
+                    }
+                    "all_gather" => comm.all_gather_device(&shard, &mut buf)?,
+                    _ => comm.broadcast_device(&mut buf, 0)?,
+                }
+                if rep > 0 {
+                    times.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let slowest = comm.all_reduce_scalar(median(times), ReduceOp::Max)?;
+            if rank == 0 {
+                print_line("nccl", false, op, n * 4, world, slowest, memcpy);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "nccl"))]
+fn bench_nccl(_sizes: &[usize]) -> anyhow::Result<()> {
+    anyhow::bail!("--backend nccl needs the nccl feature: cargo build --release --features nccl --example bench_comm")
+}
+
 trait IntoComm {
     fn failure_into_comm(self) -> CommError;
 }
@@ -184,7 +271,8 @@ fn main() -> anyhow::Result<()> {
     match backend {
         "thread" => {}
         "mpi" => return bench_mpi(&sizes, stage_kib.map(|k| k << 10)),
-        other => anyhow::bail!("unknown --backend {other}: expected thread or mpi"),
+        "nccl" => return bench_nccl(&sizes),
+        other => anyhow::bail!("unknown --backend {other}: expected thread, mpi or nccl"),
     }
     let worlds = [2usize, 4, 8];
     for &bytes in &sizes {

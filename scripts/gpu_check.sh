@@ -72,6 +72,19 @@ for l in sys.stdin:
     cp "$exe" "$bundle/$name"
     strip "$bundle/$name"
   done
+  # NCCL: the backend's test and the bandwidth bench (feature nccl alone: cudarc loads libcuda
+  # and libnccl at run time, so these link without them)
+  local nccl_test
+  nccl_test=$(cargo test --release -p kiln-comm --features nccl --test nccl --no-run \
+    --message-format=json 2>/dev/null | python3 -c 'import json, sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "nccl":
+        print(m["executable"])')
+  cp "$nccl_test" "$bundle/nccl"
+  cargo build --release --features nccl --example bench_comm
+  cp "$CARGO_TARGET_DIR/release/examples/bench_comm" "$bundle/"
+  strip "$bundle/nccl" "$bundle/bench_comm"
   strip "$bundle/train_gpt"
   cp bench/torch_gpt.py "$bundle/"
   du -sh "$bundle"
@@ -146,6 +159,26 @@ worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in range(11, 21))
 print(f"steps 11-20 resumed on the CPU from a CUDA checkpoint: worst relative difference {worst:.2e}")
 assert worst < 1e-3, f"resumed run differs by {worst:.2e} (tolerance 1e-3)"
 EOF
+  echo "== NCCL: a world of one on the GPU (host and device collectives, split)"
+  "$bundle/nccl" --nocapture
+  echo "== NCCL: two processes sharing the GPU (distinct NCCL_HOSTID, P2P and shared memory off)"
+  mkdir -p runs
+  local pids=() r
+  for r in 0 1; do
+    RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
+      MASTER_PORT=29611 NCCL_HOSTID="kiln-check-$r" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
+      timeout 300 "$bundle/bench_comm" --backend nccl --quick >"runs/nccl_rank$r.log" 2>&1 &
+    pids+=($!)
+  done
+  local ok=1
+  for r in 0 1; do wait "${pids[$r]}" || ok=0; done
+  cat runs/nccl_rank0.log
+  if [ "$ok" = 1 ]; then
+    echo "two NCCL ranks on one GPU: worked"
+  else
+    echo "two NCCL ranks on one GPU: did not work (rank 1's output below)"
+    tail -20 runs/nccl_rank1.log
+  fi
   echo "== throughput: gpt3_small and gpt3_medium, bf16, kiln beside PyTorch"
   for preset in gpt3_small gpt3_medium; do
     "$bundle/train_gpt" --preset "$preset" --steps 30 --dp 1 --tp 1 --precision bf16 \
