@@ -1,7 +1,8 @@
 //! Starting a rank from what the launcher says: torchrun-style variables, Open MPI's mpirun,
 //! PMI and Slurm's srun ([`LaunchEnv`]), the communicator of the backend the run asks for
-//! ([`init_from_env`]), and a TCP rendezvous store on `MASTER_ADDR:MASTER_PORT`
-//! ([`TcpStore`]).
+//! ([`init_from_env`]), a TCP rendezvous store on `MASTER_ADDR:MASTER_PORT`
+//! ([`TcpStore`]), and kiln's own launcher for the processes of one node ([`LocalLaunch`],
+//! torchrun's `--nproc-per-node`; the `launch` example is its command line).
 //!
 //! ```
 //! use kiln_comm::launch::{init_from_env, Backend, Launcher};
@@ -14,10 +15,12 @@
 //! ```
 
 mod env;
+mod local;
 mod nodelist;
 mod store;
 
 pub use env::{LaunchEnv, Launcher};
+pub use local::{LaunchOutcome, LocalLaunch};
 pub use nodelist::expand_nodelist;
 pub use store::TcpStore;
 
