@@ -1,0 +1,4 @@
+//! Code shared by the workspace tests.
+#![allow(dead_code)]
+
+pub mod equivalence;
