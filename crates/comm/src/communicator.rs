@@ -180,6 +180,12 @@ pub trait Communicator: Send + Sync {
     fn capabilities(&self) -> Capabilities {
         Capabilities::HOST
     }
+    /// The concrete communicator, for code that uses a backend's own methods beyond this trait
+    /// (kiln-parallel reduces device buffers through `nccl::NcclComm`'s device collectives).
+    /// `None` (the default) when the backend offers nothing more.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 macro_rules! forward_communicator {
@@ -226,6 +232,9 @@ macro_rules! forward_communicator {
             }
             fn capabilities(&self) -> Capabilities {
                 (**self).capabilities()
+            }
+            fn as_any(&self) -> Option<&dyn std::any::Any> {
+                (**self).as_any()
             }
         }
     };

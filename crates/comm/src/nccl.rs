@@ -879,6 +879,10 @@ impl Communicator for NcclComm {
         }))
     }
 
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             device_buffers: true,

@@ -269,9 +269,10 @@ impl DataParallel {
     /// Whether the optimizer phase runs device-resident: master weights, gradient buckets and
     /// AdamW moments in CUDA buffers, fused kernels for unscale, norm, clipping and AdamW,
     /// nothing of the parameters' size copied to the host in a step. True with the `cuda`
-    /// feature when the model is on a CUDA device, the data-parallel group has one rank, the
-    /// stage is not ZeRO-3 and the optimizer is kiln-optim's AdamW; otherwise gradients and
-    /// updates go through host buffers (correct on any device, slower on a GPU).
+    /// feature when the model is on a CUDA device, the stage is not ZeRO-3, the optimizer is
+    /// kiln-optim's AdamW, and the data-parallel group has one rank or (feature `nccl`) is an
+    /// NCCL communicator with replicated state; otherwise gradients and updates go through
+    /// host buffers (correct on any device, slower on a GPU).
     pub fn is_device_resident(&self) -> bool {
         #[cfg(feature = "cuda")]
         {

@@ -1,11 +1,13 @@
-//! The device-resident step (feature `cuda`): when the model is on a CUDA device, the
-//! data-parallel group has one rank (several GPUs need device collectives: NCCL), the stage is
-//! not ZeRO-3 and every shard runs kiln-optim's AdamW, the fp32 master weights, the gradient
-//! buckets and both AdamW moments live in device buffers, one set per unit of the
+//! The device-resident step (feature `cuda`): when the model is on a CUDA device, the stage is
+//! not ZeRO-3, every shard runs kiln-optim's AdamW, and the data-parallel group has one rank or
+//! (feature `nccl`) is an NCCL communicator with replicated state, the fp32 master weights, the
+//! gradient buckets and both AdamW moments live in device buffers, one set per unit of the
 //! [`crate::FlatLayout`]. A step then moves nothing of the parameters' size to the host:
 //!
 //! - each segment's gradients are accumulated into the unit buffers by a kernel (the f32 copy or
-//!   sum the CPU path does);
+//!   sum the CPU path does); over several GPUs the units are then averaged by one grouped NCCL
+//!   all-reduce on the device (after the last micro-batch, as the CPU path's `no_sync`; not yet
+//!   overlapped with the backward);
 //! - unscale, inf/NaN check and the squares of the global norm are one kernel per parameter
 //!   range: the squares go to integer bins by exponent (exact, as kiln-optim's [`SquareSum`]),
 //!   and only the 512 bins and a flag word come to the host, where they become a [`SquareSum`]
@@ -14,7 +16,8 @@
 //! - AdamW is `kernels/step.cu`'s `adamw_f32`, op for op the CPU kernel, per weight-decay range;
 //! - the updated master values are written into the model's variables on the device.
 //!
-//! So a device step computes bitwise what the CPU path computes from the same gradients. The
+//! So a device step computes bitwise what the CPU path computes from the same gradients (over
+//! NCCL the gradient average itself differs in rounding: NCCL does not sum in rank order). The
 //! host copies of the master values and the moments are refreshed only when they are read: a
 //! checkpoint ([`kiln_state::Stateful::state`]), [`DataParallel::full_params`], or a restore.
 
@@ -27,7 +30,7 @@ use crate::flat::FlatLayout;
 use crate::tp::TpSplit;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::{CudaDevice, Device, Tensor};
-use kiln_comm::{CommExt, Communicator, ReduceOp};
+use kiln_comm::{chunk_range, CommExt, Communicator, ReduceOp};
 use kiln_memory::{BoxError, Executor, GradHook, SegmentedModel};
 use kiln_optim::{AdamW, Optimizer, SquareSum};
 use kiln_precision::LossScaler;
@@ -138,10 +141,28 @@ impl GradHook for DeviceGradSink<'_> {
 impl DataParallel {
     /// Whether this engine's steps run device-resident (see the module docs).
     pub(super) fn resident_eligible(&self) -> bool {
+        let group = self.dp_size == 1 || (self.cfg.stage == Stage::Replicated && self.nccl_dp());
         self.device.is_cuda()
-            && self.dp_size == 1
+            && group
             && self.cfg.stage != Stage::Zero3
             && (0..self.optim.len()).all(|u| self.adamw(u).is_some())
+    }
+
+    /// Whether the data-parallel communicator is NCCL's (device collectives).
+    fn nccl_dp(&self) -> bool {
+        #[cfg(feature = "nccl")]
+        {
+            self.nccl().is_some()
+        }
+        #[cfg(not(feature = "nccl"))]
+        {
+            false
+        }
+    }
+
+    #[cfg(feature = "nccl")]
+    fn nccl(&self) -> Option<&kiln_comm::nccl::NcclComm> {
+        self.comm.as_any()?.downcast_ref()
     }
 
     fn adamw(&self, u: usize) -> Option<&AdamW> {
@@ -228,7 +249,27 @@ impl DataParallel {
                 .to_dtype(candle_core::DType::F64)?
                 .to_scalar::<f64>()?;
         }
-        let compute_s = t0.elapsed().as_secs_f64();
+        // several GPUs: the gradient average, on the device, once per step
+        let tw = Instant::now();
+        if self.dp_size > 1 {
+            #[cfg(feature = "nccl")]
+            {
+                let nccl = (self.comm.as_any())
+                    .and_then(|a| a.downcast_ref::<kiln_comm::nccl::NcclComm>())
+                    .ok_or_else(|| {
+                        ParallelError::Config(
+                            "a device-resident step over several ranks needs NCCL".into(),
+                        )
+                    })?;
+                nccl.all_reduce_many_device(&mut res.grads, ReduceOp::Avg)?;
+            }
+            #[cfg(not(feature = "nccl"))]
+            return Err(ParallelError::Config(
+                "a device-resident step over several ranks needs the nccl feature".into(),
+            ));
+        }
+        let comm_wait_s = tw.elapsed().as_secs_f64();
+        let compute_s = t0.elapsed().as_secs_f64() - comm_wait_s;
 
         let t_opt = Instant::now();
         // unscale (and average micro-batches), check and bin the squares: set 0 for what the
@@ -237,13 +278,26 @@ impl DataParallel {
         let inv = (inv != 1.0).then_some(inv);
         res.zero_sums()?;
         for (u, unit) in self.layout.units().iter().enumerate() {
+            // the norm and the check count this rank's chunk (each element once over the
+            // group, as the CPU path); the rest of the replicated buffer is only unscaled
+            let c = chunk_range(unit.len, self.dp_size, self.dp_rank);
+            if let Some(f) = inv {
+                for rest in [0..c.start, c.end..unit.len] {
+                    if !rest.is_empty() {
+                        cuda::scale(&res.dev, &mut res.grads[u].slice_mut(rest), f)?;
+                    }
+                }
+            }
             let mut params = unit.params.clone();
             params.sort_by_key(|&p| self.layout.params()[p].offset);
             let mut run: Option<(Range<usize>, usize)> = None;
             for p in params {
                 let s = &self.layout.params()[p];
                 let k = usize::from(self.tp.is_some() && self.splits[p] == TpSplit::Replicated);
-                let r = s.offset..s.offset + s.numel;
+                let r = s.offset.max(c.start)..(s.offset + s.numel).min(c.end);
+                if r.is_empty() {
+                    continue;
+                }
                 run = match run {
                     Some((cur, ck)) if ck == k && cur.end == r.start => Some((cur.start..r.end, k)),
                     Some((cur, ck)) => {
@@ -302,7 +356,7 @@ impl DataParallel {
             loss_scale: scale,
             scale_event,
             compute_s,
-            comm_wait_s: 0.0,
+            comm_wait_s,
         };
         self.pending = Some((preview, t_opt));
         Ok(preview)
