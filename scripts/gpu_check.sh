@@ -36,13 +36,19 @@ build() {
       "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-nvrtc==13.0.*" "nvidia-cublas==13.0.*" \
       "nvidia-curand==10.4.0.*"
   fi
+  # NCCL in a folder of its own too (train_gpt built with the nccl feature links it)
+  local nccl="$py-nccl"
+  if [ -z "$(find "$nccl" -name 'libnccl.so*' 2>/dev/null | head -1)" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --target "$nccl" "nvidia-nccl-cu13"
+  fi
   export CUDA_ROOT="$py/nvidia/cu13" CUDA_COMPUTE_CAP="$cap"
   export PATH="$CUDA_ROOT/bin:$PATH"
   # link folder: unversioned names of the PyPI libraries, and a stub libcuda.so.1 with one
   # empty function per driver entry point of cuda.h (the real driver is loaded at run time)
   local link="$PWD/target/cuda-link"
   mkdir -p "$link"
-  for lib in "$CUDA_ROOT"/lib/lib*.so.* "$libs"/nvidia/*/lib/lib*.so.*; do
+  for lib in "$CUDA_ROOT"/lib/lib*.so.* "$libs"/nvidia/*/lib/lib*.so.* \
+      $(find "$nccl" -name 'libnccl.so.*'); do
     local name
     name="$(basename "$lib")"
     ln -sf "$lib" "$link/${name%%.so.*}.so"
@@ -56,7 +62,8 @@ build() {
   fi
   export RUSTFLAGS="${RUSTFLAGS:-} -L $link"
   export CARGO_TARGET_DIR=target/cuda-bin
-  cargo build --release --features cuda --example train_gpt
+  # train_gpt with NCCL too (candle links CUDA's libraries, libnccl included, dynamically)
+  cargo build --release --features cuda,nccl --example train_gpt
   rm -rf "$bundle" && mkdir -p "$bundle"
   cp "$CARGO_TARGET_DIR/release/examples/train_gpt" "$bundle/"
   # the GPU tests: (package, test target)
@@ -178,6 +185,29 @@ EOF
   else
     echo "two NCCL ranks on one GPU: did not work (rank 1's output below)"
     tail -20 runs/nccl_rank1.log
+  fi
+  if [ "$ok" = 1 ]; then
+    echo "== train_gpt dp=2 over NCCL (two processes on the GPU, device-resident) against dp=1"
+    pids=()
+    for r in 0 1; do
+      RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=29612 NCCL_HOSTID="kiln-check-$r" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 \
+        timeout 600 "$bundle/train_gpt" "${common[@]}" --dp 2 --batch 2 --backend nccl \
+        --device cuda --out runs/gpu_check_nccl_dp2 >"runs/nccl_train_rank$r.log" 2>&1 &
+      pids+=($!)
+    done
+    for r in 0 1; do wait "${pids[$r]}" || { tail -20 "runs/nccl_train_rank$r.log"; exit 1; }; done
+    tail -4 runs/nccl_train_rank0.log
+    python3 - <<'EOF'
+import json
+def losses(d):
+    rows = [json.loads(l) for l in open(f"runs/{d}/metrics.jsonl")]
+    return [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
+a, b = losses("gpu_check_cuda"), losses("gpu_check_nccl_dp2")
+worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+print(f"dp=2 over NCCL against dp=1 on CUDA, 20 steps: worst relative loss difference {worst:.2e}")
+assert len(b) == 20 and worst < 1e-3, f"{len(b)} steps, {worst:.2e} (tolerance 1e-3)"
+EOF
   fi
   echo "== throughput: gpt3_small and gpt3_medium, bf16, kiln beside PyTorch"
   for preset in gpt3_small gpt3_medium; do
