@@ -67,10 +67,9 @@ fn print_header(preset: &str, cfg: &RunConfig) -> anyhow::Result<()> {
         gpt.param_count() as f64 / 1e6
     );
     println!(
-        "  {} {} on {} as dp={} x tp={}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}",
+        "  {} {} as dp={} x tp={}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}, on {}",
         cfg.parallel.world(),
         match cfg.parallel.backend { Backend::Thread => "thread ranks", Backend::Mpi => "MPI processes", _ => "NCCL processes" },
-        cfg.device,
         cfg.parallel.dp,
         cfg.parallel.tp,
         cfg.parallel.zero,
@@ -78,7 +77,8 @@ fn print_header(preset: &str, cfg: &RunConfig) -> anyhow::Result<()> {
         if cfg.precision.compute == kiln_precision::ComputeDType::F32 { "" } else { " with dynamic loss scaling" },
         cfg.train.steps,
         cfg.train.micro_batch * cfg.train.accumulation * cfg.parallel.dp,
-        cfg.train.activation_checkpointing
+        cfg.train.activation_checkpointing,
+        cfg.device
     );
     Ok(())
 }
