@@ -5,54 +5,12 @@
 //! run and passes (`scripts/gpu_check.sh` runs it on one).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
+use common::{gpu, host, values, worst};
+
 use candle_core::{DType, Device, Tensor, Var};
-use kiln_model::{ops, DeviceSpec};
-
-/// The GPU, or `None` after printing why there is none.
-fn gpu(test: &str) -> Option<Device> {
-    match DeviceSpec::Cuda(0).device() {
-        Ok(d) => Some(d),
-        Err(e) => {
-            println!("{test}: skipped, no CUDA device: {e}");
-            None
-        }
-    }
-}
-
-/// Deterministic values in about [-2, 2].
-fn values(n: usize, salt: u64) -> Vec<f32> {
-    (0..n)
-        .map(|i| {
-            let h = kiln_model::splitmix64(i as u64 ^ (salt << 32));
-            (h >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
-        })
-        .collect()
-}
-
-fn host(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-}
-
-/// Largest `|a - b| / (atol + |b|)`.
-fn worst(a: &[f32], b: &[f32], atol: f32) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            let d = (x - y).abs() / (atol + y.abs());
-            if d.is_nan() {
-                f32::INFINITY
-            } else {
-                d
-            }
-        })
-        .fold(0.0, f32::max)
-}
+use kiln_model::ops;
 
 /// f32 differs from the CPU in summation order and exp only; the half types in where the
 /// inputs of the roundings differ by that much.

@@ -20,7 +20,8 @@ pub fn splitmix64(x: u64) -> u64 {
 /// panic into an error that says what happened.
 ///
 /// ```
-/// // what `std::thread::JoinHandle::join` returns for `panic!("rank {} fell over", 3)`
+/// // what `std::thread::JoinHandle::join` returns for a thread that failed with the message
+/// // "rank 3 fell over"
 /// let payload: Box<dyn std::any::Any + Send> = Box::new(format!("rank {} fell over", 3));
 /// assert_eq!(kiln_state::panic_message(payload.as_ref()), "rank 3 fell over");
 /// let literal: Box<dyn std::any::Any + Send> = Box::new("stalled");
