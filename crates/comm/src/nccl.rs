@@ -613,16 +613,10 @@ impl NcclComm {
 
     fn host_all_reduce<T: NcclElem>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let mut d = self.upload(buf)?;
-        // NCCL's average of integers is not kiln's (integer division of the sum)
-        let integer = matches!(T::DTYPE, DType::I64 | DType::U32);
-        let dev_op = if integer && op == ReduceOp::Avg {
-            ReduceOp::Sum
-        } else {
-            op
-        };
+        let (dev_op, divide) = device_op::<T>(op);
         self.all_reduce_device(&mut d, dev_op)?;
         self.download(&d, buf)?;
-        if integer && op == ReduceOp::Avg {
+        if divide {
             divide_integers(buf, self.world);
         }
         Ok(())
@@ -649,17 +643,12 @@ impl NcclComm {
             .stream
             .alloc_zeros::<T>(c)
             .map_err(|e| cuda_err("cuMemAlloc", e))?;
-        let integer = matches!(T::DTYPE, DType::I64 | DType::U32);
-        let dev_op = if integer && op == ReduceOp::Avg {
-            ReduceOp::Sum
-        } else {
-            op
-        };
+        let (dev_op, divide) = device_op::<T>(op);
         self.reduce_scatter_device(&d_in, &mut d_out, dev_op)?;
         let mut chunk = vec![T::zeroed(); c];
         self.download(&d_out, &mut chunk)?;
         output.copy_from_slice(&chunk[..output.len()]);
-        if integer && op == ReduceOp::Avg {
+        if divide {
             divide_integers(output, self.world);
         }
         Ok(())
@@ -692,6 +681,18 @@ impl NcclComm {
         let mut d = self.upload(buf)?;
         self.broadcast_device(&mut d, root)?;
         self.download(&d, buf)
+    }
+}
+
+/// The reduction NCCL runs for kiln's `op` on `T`, and whether the host divides the result by
+/// the world afterwards: NCCL's average of integers is not kiln's (integer division of the sum),
+/// so an integer `Avg` is an NCCL sum followed by [`divide_integers`].
+fn device_op<T: NcclElem>(op: ReduceOp) -> (ReduceOp, bool) {
+    let integer = matches!(T::DTYPE, DType::I64 | DType::U32);
+    if integer && op == ReduceOp::Avg {
+        (ReduceOp::Sum, true)
+    } else {
+        (op, false)
     }
 }
 
