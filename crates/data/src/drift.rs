@@ -168,6 +168,17 @@ impl DriftMonitor {
             .sum()
     }
 
+    /// Whether the window is full and its divergence is above the threshold (what the last
+    /// [`DriftMonitor::observe`] reported as `alert`).
+    pub fn alerting(&self) -> bool {
+        self.batches.len() == self.window && self.kl() > self.threshold
+    }
+
+    /// Batches the window holds (at most its size).
+    pub fn window_len(&self) -> usize {
+        self.batches.len()
+    }
+
     /// Empties the window.
     pub fn reset(&mut self) {
         self.batches.clear();
@@ -202,6 +213,75 @@ impl DriftMonitor {
         self.threshold = worst * margin;
         Ok(self.threshold)
     }
+}
+
+/// The monitor as a kiln-state component: the token ids of the batches in its window (tensor
+/// `window_tokens`, u32) and their lengths, window size and threshold (metadata `drift`). The
+/// reference distribution is not saved: it is rebuilt from the corpus the run is configured
+/// with, and loading checks that every saved token is inside its vocabulary.
+impl kiln_state::Stateful for DriftMonitor {
+    fn state(&self) -> kiln_state::Result<kiln_state::StateDict> {
+        let mut sd = kiln_state::StateDict::new();
+        let lens: Vec<usize> = self.batches.iter().map(Vec::len).collect();
+        let tokens: Vec<u32> = self.batches.iter().flatten().copied().collect();
+        sd.set_meta(
+            "drift",
+            DriftMeta {
+                window: self.window,
+                threshold: self.threshold,
+                lens,
+            },
+        )?;
+        sd.put("window_tokens", &[tokens.len()], &tokens)?;
+        Ok(sd)
+    }
+
+    fn load_state(&mut self, state: kiln_state::StateDict) -> kiln_state::Result<()> {
+        let meta: DriftMeta = state.meta("drift")?;
+        let tokens: Vec<u32> = state.get("window_tokens")?;
+        let bad = |reason: String| kiln_state::StateError::component("drift monitor", reason);
+        if meta.lens.iter().sum::<usize>() != tokens.len() {
+            return Err(bad(format!(
+                "window lengths sum to {} but {} tokens were saved",
+                meta.lens.iter().sum::<usize>(),
+                tokens.len()
+            )));
+        }
+        if meta.lens.len() > meta.window || meta.window != self.window {
+            return Err(bad(format!(
+                "saved window of {} batches (holding {}), this monitor's is {}",
+                meta.window,
+                meta.lens.len(),
+                self.window
+            )));
+        }
+        let vocab = self.counts.len();
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(bad(format!(
+                "saved token {t} is outside the vocabulary of {vocab}"
+            )));
+        }
+        self.reset();
+        self.threshold = meta.threshold;
+        let mut at = 0;
+        for n in meta.lens {
+            let batch = tokens[at..at + n].to_vec();
+            at += n;
+            for &t in &batch {
+                self.counts[t as usize] += 1;
+            }
+            self.total += batch.len() as u64;
+            self.batches.push_back(batch);
+        }
+        Ok(())
+    }
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct DriftMeta {
+    window: usize,
+    threshold: f64,
+    lens: Vec<usize>,
 }
 
 #[cfg(test)]
@@ -245,5 +325,29 @@ mod tests {
             r2.kl,
             "a rejected batch leaves the window as it was"
         );
+    }
+
+    #[test]
+    fn state_round_trip_continues_identically() {
+        use kiln_state::Stateful;
+        let reference: Vec<u32> = (0..200).map(|i| (i * 7) % 11).collect();
+        let mut a = DriftMonitor::new(&reference, 11, 0.5, 3, 0.2).unwrap();
+        for b in [&[1u32, 2, 3][..], &[4, 4], &[5, 6, 7, 8], &[9]] {
+            a.observe(b).unwrap();
+        }
+        let sd = a.state().unwrap();
+        let mut b = DriftMonitor::new(&reference, 11, 0.5, 3, 0.9).unwrap();
+        b.load_state(sd.clone()).unwrap();
+        assert_eq!(b.threshold(), 0.2);
+        for batch in [&[10u32, 10][..], &[0, 1]] {
+            assert_eq!(a.observe(batch).unwrap(), b.observe(batch).unwrap());
+        }
+        // another window size or a token outside the vocabulary is refused
+        let mut c = DriftMonitor::new(&reference, 11, 0.5, 4, 0.2).unwrap();
+        assert!(c.load_state(sd.clone()).is_err());
+        let small: Vec<u32> = (0..10).map(|i| i % 5).collect();
+        let mut d = DriftMonitor::new(&small, 5, 0.5, 3, 0.2).unwrap();
+        let err = d.load_state(sd).unwrap_err().to_string();
+        assert!(err.contains("outside the vocabulary of 5"), "{err}");
     }
 }

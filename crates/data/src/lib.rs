@@ -3,7 +3,8 @@
 //!
 //! - Text to tokens: [`Tokenizer`] (a byte-level BPE trained in-process, saved as
 //!   `tokenizer.json`; GPT-2's r50k_base behind the `gpt2-bpe` feature), [`prepare_corpus`]
-//!   (tokenizer and train/validation shards under a cache folder, idempotent).
+//!   (tokenizer and train/validation shards under a cache folder, idempotent; optionally
+//!   dropping the training documents of highest perplexity, [`QualityConfig`]).
 //! - Shards: [`ShardWriter`] / [`write_shard`] write files with a checksummed header
 //!   (atomically); [`Shard`] maps one and validates it, with errors naming the file;
 //!   [`TokenSource`] reads a source's shards as one stream of windows of `ctx + 1` tokens.
@@ -53,9 +54,11 @@ mod ngram;
 mod plan;
 mod prefetch;
 mod prepare;
+mod quality;
 mod rng;
 mod sample;
 mod sampler;
+mod schedule;
 mod shard;
 mod source;
 mod state;
@@ -73,11 +76,13 @@ pub use prepare::{
     default_cache_dir, prepare_corpus, split_validation, PrepareConfig, PreparedCorpus,
     PreparedSource, DEFAULT_CORPORA,
 };
+pub use quality::{QualityConfig, QualityReport};
 pub use rng::{splitmix64, stream_key, stream_rng, Permutation, Purpose, SampleRng};
 pub use sample::{SampleId, SkipSet};
 pub use sampler::{
     Cursor, DistributedSampler, GlobalBatch, PlannedSample, SamplerConfig, TailPolicy,
 };
+pub use schedule::{MixturePoint, MixtureSchedule};
 pub use shard::{
     write_shard, Shard, ShardHeader, ShardLayout, ShardWriter, TokenDtype, Verify, HEADER_BYTES,
     SHARD_MAGIC, SHARD_VERSION,

@@ -4,6 +4,43 @@
 
 use crate::error::{DataError, Result};
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// A hasher for the packed n-gram keys: a multiply-xorshift mix, several times faster than
+/// the default SipHash on these keys (the keys come from the corpus, not an adversary). The
+/// model's numbers never depend on the iteration order of its maps (every statistic is an
+/// integer sum), so the hasher changes speed, never results.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0 ^ x)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .rotate_left(29);
+    }
+
+    fn write_u128(&mut self, x: u128) {
+        self.write_u64(x as u64);
+        self.write_u64((x >> 64) as u64);
+    }
+}
+
+/// A map keyed by packed n-grams.
+type KeyMap<V> = HashMap<u128, V, BuildHasherDefault<KeyHasher>>;
 
 /// Packs up to four 32-bit ids into one key (order <= 4 keeps it collision free).
 #[inline]
@@ -14,9 +51,9 @@ fn pack(ids: &[u32]) -> u128 {
 #[derive(Debug, Clone, Default)]
 struct Level {
     /// (context, word) -> count (raw at the top order, continuation counts below)
-    counts: HashMap<u128, u64>,
+    counts: KeyMap<u64>,
     /// context -> (sum of counts, distinct followers)
-    contexts: HashMap<u128, (u64, u64)>,
+    contexts: KeyMap<(u64, u64)>,
     discount: f64,
 }
 
@@ -56,7 +93,7 @@ impl NgramLm {
         // Documents are padded on the left with order - 1 beginning-of-document symbols (id
         // `vocab`, never predicted), so every scored token has a full-length n-gram.
         let bos = vocab as u32;
-        let mut top: HashMap<u128, u64> = HashMap::new();
+        let mut top: KeyMap<u64> = KeyMap::default();
         let mut padded: Vec<u32> = Vec::new();
         for doc in docs {
             if let Some(&bad) = doc.iter().find(|&&t| t as usize >= vocab) {
@@ -79,7 +116,7 @@ impl NgramLm {
         // n-gram (its distinct left extensions among the keys one order up)
         for k in (1..order).rev() {
             let low_mask = (1u128 << (32 * k as u32)) - 1;
-            let mut cont: HashMap<u128, u64> = HashMap::new();
+            let mut cont: KeyMap<u64> = KeyMap::default();
             for &key in levels[k].counts.keys() {
                 *cont.entry(key & low_mask).or_default() += 1;
             }
@@ -173,6 +210,15 @@ impl NgramLm {
     }
 }
 
+/// The `quantile` (0..=1) of `values`: the element at rank `round((n - 1) * quantile)` in
+/// increasing order; `None` when there is none.
+pub(crate) fn quantile_of(mut values: Vec<f64>, quantile: f64) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let last = values.len().checked_sub(1)?;
+    let i = ((last as f64 * quantile).round() as usize).min(last);
+    values.get(i).copied()
+}
+
 /// Keeps documents whose perplexity under a reference model is at most a threshold.
 #[derive(Debug, Clone)]
 pub struct PerplexityFilter {
@@ -199,13 +245,9 @@ impl PerplexityFilter {
                 format!("{quantile} is not in 0..=1"),
             ));
         }
-        let mut p: Vec<f64> = docs.into_iter().filter_map(|d| lm.perplexity(d)).collect();
-        if p.is_empty() {
-            return Err(DataError::config("docs", "no non-empty reference document"));
-        }
-        p.sort_by(f64::total_cmp);
-        let i = ((p.len() - 1) as f64 * quantile).round() as usize;
-        let threshold = p[i];
+        let p: Vec<f64> = docs.into_iter().filter_map(|d| lm.perplexity(d)).collect();
+        let threshold = quantile_of(p, quantile)
+            .ok_or_else(|| DataError::config("docs", "no non-empty reference document"))?;
         Ok(PerplexityFilter { lm, threshold })
     }
 

@@ -1,8 +1,11 @@
 //! Turning the plain-text corpus into a tokenizer and token shards under a cache directory,
-//! once: a later call finds them, checks them and returns at once.
+//! once: a later call finds them, checks them and returns at once. With
+//! [`PrepareConfig::quality`] set, each source's training split passes the perplexity filter
+//! of [`crate::quality`] on its way to the shards.
 
 use crate::error::{DataError, Result};
 use crate::fsutil;
+use crate::quality::{documents, filter_documents, QualityConfig, QualityReport};
 use crate::shard::{Shard, ShardLayout, ShardWriter, TokenDtype, Verify};
 use crate::source::TokenSource;
 use crate::tokenizer::{sample_text, Tokenizer};
@@ -36,11 +39,17 @@ pub struct PrepareConfig {
     pub train_shards: usize,
     /// Bytes of text (spread evenly over the training splits) the tokenizer is trained on.
     pub tokenizer_sample_bytes: usize,
+    /// The perplexity filter applied to each training split after the tokenizer is trained
+    /// (`None`: every document is kept). The tokenizer and the validation splits are the same
+    /// with or without it.
+    #[serde(default)]
+    pub quality: Option<QualityConfig>,
 }
 
 impl PrepareConfig {
     /// The three default corpora of `data_dir`, vocabulary 8192, the last 5% of each file for
-    /// validation, 4 training shards per corpus, the tokenizer trained on 4 MiB of text.
+    /// validation, 4 training shards per corpus, the tokenizer trained on 4 MiB of text, no
+    /// quality filter.
     pub fn new(data_dir: impl Into<PathBuf>, out_dir: impl Into<PathBuf>) -> Self {
         PrepareConfig {
             data_dir: data_dir.into(),
@@ -50,6 +59,7 @@ impl PrepareConfig {
             val_fraction: 0.05,
             train_shards: 4,
             tokenizer_sample_bytes: 4 << 20,
+            quality: None,
         }
     }
 
@@ -66,12 +76,15 @@ impl PrepareConfig {
         if self.train_shards == 0 {
             return Err(DataError::config("train_shards", "0"));
         }
+        if let Some(q) = &self.quality {
+            q.validate()?;
+        }
         Ok(())
     }
 }
 
 /// One corpus after preparation.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PreparedSource {
     /// The corpus name.
     pub name: String,
@@ -79,7 +92,8 @@ pub struct PreparedSource {
     pub train: Vec<PathBuf>,
     /// Validation shards, in order.
     pub val: Vec<PathBuf>,
-    /// Tokens in the training split (its end-of-text included).
+    /// Tokens in the training shards: the training split after the quality filter, and its
+    /// end-of-text.
     pub train_tokens: u64,
     /// Tokens in the validation split (its end-of-text included).
     pub val_tokens: u64,
@@ -87,6 +101,10 @@ pub struct PreparedSource {
     pub input_bytes: u64,
     /// CRC-32 of the text file (a change triggers a rebuild).
     pub input_crc32: u32,
+    /// What the quality filter kept and dropped of the training split (`None` when
+    /// [`PrepareConfig::quality`] is).
+    #[serde(default)]
+    pub quality: Option<QualityReport>,
 }
 
 /// The result of [`prepare_corpus`]: where the tokenizer and the shards are. Paths in the
@@ -174,18 +192,24 @@ pub fn split_validation(text: &str, fraction: f64) -> (&str, &str) {
 const MANIFEST: &str = "manifest.json";
 
 fn same_build(a: &PrepareConfig, b: &PrepareConfig) -> bool {
+    let quality = |q: &Option<QualityConfig>| {
+        q.as_ref()
+            .map(|q| (q.order, q.drop_fraction.to_bits(), q.min_doc_tokens))
+    };
     (
         &a.corpora,
         a.vocab_size,
         a.val_fraction.to_bits(),
         a.train_shards,
         a.tokenizer_sample_bytes,
+        quality(&a.quality),
     ) == (
         &b.corpora,
         b.vocab_size,
         b.val_fraction.to_bits(),
         b.train_shards,
         b.tokenizer_sample_bytes,
+        quality(&b.quality),
     )
 }
 
@@ -199,7 +223,9 @@ fn reuse(cfg: &PrepareConfig, inputs: &[(u64, u32)]) -> Option<PreparedCorpus> {
         return None;
     }
     for (s, &(bytes, crc)) in m.sources.iter().zip(inputs) {
-        if (s.input_bytes, s.input_crc32) != (bytes, crc) {
+        if (s.input_bytes, s.input_crc32) != (bytes, crc)
+            || s.quality.is_some() != cfg.quality.is_some()
+        {
             return None;
         }
         let total = |paths: &[PathBuf]| -> Option<u64> {
@@ -217,16 +243,50 @@ fn reuse(cfg: &PrepareConfig, inputs: &[(u64, u32)]) -> Option<PreparedCorpus> {
         .then_some(PreparedCorpus { reused: true, ..m })
 }
 
+/// The token ids of each line (lines never share a token, so their concatenation is the
+/// text's encoding).
+fn encode_lines(tok: &Tokenizer, lines: &[&str]) -> Result<Vec<Vec<u32>>> {
+    let mut out = Vec::with_capacity(lines.len());
+    for chunk in lines.chunks(4096) {
+        out.extend(tok.encode_batch(chunk)?);
+    }
+    Ok(out)
+}
+
+/// The split's tokens, closed by end-of-text.
 fn encode_text(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     let lines: Vec<&str> = text.split_inclusive('\n').collect();
     let mut out = Vec::with_capacity(text.len() / 3);
-    for chunk in lines.chunks(4096) {
-        for ids in tok.encode_batch(chunk)? {
-            out.extend_from_slice(&ids);
-        }
+    for ids in encode_lines(tok, &lines)? {
+        out.extend_from_slice(&ids);
     }
     out.push(tok.eot());
     Ok(out)
+}
+
+/// The training split's tokens after the quality filter, closed by end-of-text: the kept
+/// documents in their order. With nothing dropped these are [`encode_text`]'s tokens.
+fn encode_filtered(
+    tok: &Tokenizer,
+    text: &str,
+    cfg: &QualityConfig,
+) -> Result<(Vec<u32>, QualityReport)> {
+    let lines: Vec<&str> = text.split_inclusive('\n').collect();
+    let line_ids = encode_lines(tok, &lines)?;
+    let docs: Vec<Vec<u32>> = documents(&lines)
+        .into_iter()
+        .map(|r| line_ids[r].concat())
+        .collect();
+    let (keep, report) = filter_documents(cfg, &docs, tok.vocab_size())?;
+    let capacity = usize::try_from(report.tokens_kept).unwrap_or(0) + 1;
+    let mut out = Vec::with_capacity(capacity);
+    for (d, k) in docs.iter().zip(keep) {
+        if k {
+            out.extend_from_slice(d);
+        }
+    }
+    out.push(tok.eot());
+    Ok((out, report))
 }
 
 /// Builds, under `cfg.out_dir`, a BPE tokenizer trained on the corpora's training splits and,
@@ -235,6 +295,13 @@ fn encode_text(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
 /// manifest matches the configuration and the text files and every shard verifies, nothing is
 /// rebuilt (`reused` is set). Deterministic: the same inputs give the same files, so processes
 /// racing to prepare the same folder write identical files (each write is an atomic rename).
+///
+/// With [`PrepareConfig::quality`] set, each corpus's training split is cut into documents
+/// (paragraphs separated by blank lines; lines when the split has no blank line), an n-gram
+/// model trained on them scores each, and the documents above the `1 - drop_fraction`
+/// quantile of perplexity are left out of the training shards, the counts recorded in
+/// [`PreparedSource::quality`]. The tokenizer is trained before, on the unfiltered text, and
+/// the validation split is never filtered.
 pub fn prepare_corpus(cfg: &PrepareConfig) -> Result<PreparedCorpus> {
     cfg.validate()?;
     let mut texts = Vec::with_capacity(cfg.corpora.len());
@@ -276,14 +343,21 @@ pub fn prepare_corpus(cfg: &PrepareConfig) -> Result<PreparedCorpus> {
         cfg.corpora.iter().zip(&splits).zip(&inputs)
     {
         let dir = cfg.out_dir.join(name);
-        let write = |stem: &str, text: &str, shards: usize| -> Result<(Vec<PathBuf>, u64)> {
-            let ids = encode_text(&tok, text)?;
+        let write = |stem: &str, ids: &[u32], shards: usize| -> Result<(Vec<PathBuf>, u64)> {
             let mut w = ShardWriter::new(&dir, stem, dtype, ShardLayout::Count(shards))?;
-            w.push(&ids)?;
+            w.push(ids)?;
             Ok((w.finish()?, ids.len() as u64))
         };
-        let (train, train_tokens) = write("train", train, cfg.train_shards)?;
-        let (val, val_tokens) = write("val", val, 1)?;
+        let (train_ids, quality) = match &cfg.quality {
+            Some(q) => {
+                let (ids, report) = encode_filtered(&tok, train, q)?;
+                (ids, Some(report))
+            }
+            None => (encode_text(&tok, train)?, None),
+        };
+        let (train, train_tokens) = write("train", &train_ids, cfg.train_shards)?;
+        drop(train_ids);
+        let (val, val_tokens) = write("val", &encode_text(&tok, val)?, 1)?;
         sources.push(PreparedSource {
             name: name.clone(),
             train,
@@ -292,6 +366,7 @@ pub fn prepare_corpus(cfg: &PrepareConfig) -> Result<PreparedCorpus> {
             val_tokens,
             input_bytes,
             input_crc32,
+            quality,
         });
     }
     let prepared = PreparedCorpus {
