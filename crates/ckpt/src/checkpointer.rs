@@ -5,13 +5,15 @@ use crate::error::{CkptError, Result};
 use crate::gather::agree_step;
 use crate::layout::Layout;
 use crate::load::{
-    into_rank_state, latest_agreed, load_agreed, read_manifest, read_rank_file, Latest, Loaded,
+    into_rank_state, latest_agreed, load_agreed, read_manifest, read_manifest_in, read_rank_file,
+    Latest, Loaded,
 };
 use crate::manifest::Manifest;
 use crate::policy::{Retention, SavePolicy};
 use crate::reshard::{load_resharded_local, ReshardRequest};
 use crate::save::{
-    committed_steps, parse_step_dir, write_checkpoint, SaveCtx, SaveReport, LATEST_FILE,
+    committed_dir, committed_steps, parse_step_dir, write_checkpoint, SaveCtx, SaveReport,
+    LATEST_FILE,
 };
 use crate::state::RankState;
 use crate::storage::Storage;
@@ -73,9 +75,14 @@ struct InFlight {
 /// Layout on storage: `step-00000010/` holds `rank-00000.safetensors` ... (one per rank),
 /// `manifest.json` and `manifest.sha256`; `latest` names the newest committed directory.
 /// A save writes into `step-00000010.tmp/`, fsyncs every file and the directory, and
-/// renames it to `step-00000010/`: the rename is the commit. Loading only ever considers
-/// committed directories, verifies every byte it reads against the manifest's sha256, and
-/// [`Checkpointer::load_latest`] falls back to older checkpoints past damaged ones.
+/// renames it to `step-00000010/`: the rename is the commit. Saving a step that is already
+/// committed first renames the committed copy aside to `step-00000010.replaced/` and removes
+/// it only after the new copy is committed and the pointer written, so a crash at any point
+/// leaves step 10 loadable (old or new content); loading treats a `.replaced` directory as
+/// its step when the `step-...` directory is absent, and the next commit renames it back.
+/// Loading only ever considers committed directories, verifies every byte it reads against
+/// the manifest's sha256, and [`Checkpointer::load_latest`] falls back to older checkpoints
+/// past damaged ones.
 ///
 /// Collectives: the communicator's timeout bounds how much later the slowest rank may finish
 /// writing its file than the fastest.
@@ -238,7 +245,8 @@ impl Checkpointer {
         }
     }
 
-    /// Steps of the committed checkpoints, increasing (not verified).
+    /// Steps of the committed checkpoints, increasing (not verified), including a step whose
+    /// only copy is the set-aside `step-N.replaced/` of a re-save that crashed.
     pub fn committed_steps(&self) -> Result<Vec<u64>> {
         committed_steps(&*self.storage)
     }
@@ -291,13 +299,14 @@ impl Checkpointer {
     }
 
     fn load_local(&self, rank: usize, world: usize, step: u64) -> Result<Loaded> {
-        let manifest = read_manifest(&*self.storage, step)?;
+        let dir = committed_dir(&*self.storage, step)?;
+        let manifest = read_manifest_in(&*self.storage, &dir, step)?;
         self.check_manifest(&manifest, world, true)?;
         let entry = manifest.file(rank).ok_or_else(|| CkptError::Manifest {
-            path: crate::save::step_dir(step),
+            path: dir.clone(),
             reason: format!("no file for rank {rank}"),
         })?;
-        let file = read_rank_file(&*self.storage, step, entry)?;
+        let file = read_rank_file(&*self.storage, &dir, entry)?;
         let state = into_rank_state(file, entry)?;
         Ok(Loaded {
             step,
@@ -333,9 +342,10 @@ impl Checkpointer {
                 got: world,
             });
         }
-        let manifest = read_manifest(&*self.storage, step)?;
+        let dir = committed_dir(&*self.storage, step)?;
+        let manifest = read_manifest_in(&*self.storage, &dir, step)?;
         self.check_manifest(&manifest, world, false)?;
-        let state = load_resharded_local(&*self.storage, &manifest, step, req)?;
+        let state = load_resharded_local(&*self.storage, &manifest, &dir, req)?;
         Ok(Loaded {
             step,
             manifest,

@@ -8,7 +8,8 @@
 //!   [`RankState`]: all the parts one rank saves.
 //! - [`Checkpointer`]: collective save (synchronous, or [`Checkpointer::save_async`] on a
 //!   background thread) of one safetensors file per rank plus a JSON [`Manifest`] with each
-//!   file's sha256, committed by an atomic directory rename; [`Checkpointer::load_latest`]
+//!   file's sha256, committed by an atomic directory rename (a re-saved step's old copy is
+//!   set aside, never deleted, until the new one is committed); [`Checkpointer::load_latest`]
 //!   never returns an uncommitted or damaged checkpoint and reports what it skipped.
 //!   [`SavePolicy`] says when to save, [`Retention`] what to keep.
 //! - Resharding: [`Checkpointer::load_resharded`] loads a checkpoint saved with any layout
@@ -74,7 +75,9 @@ pub use manifest::{rank_file_name, FileEntry, Manifest, TensorEntry, MANIFEST_FO
 pub use policy::{Retention, SavePolicy};
 pub use rankfile::{decode_rank_file, encode_rank_file, FORMAT_VERSION};
 pub use reshard::{GlobalTensor, ReshardRequest};
-pub use save::{step_dir, tmp_dir, SaveReport, LATEST_FILE, MANIFEST_FILE, MANIFEST_SHA_FILE};
+pub use save::{
+    replaced_dir, step_dir, tmp_dir, SaveReport, LATEST_FILE, MANIFEST_FILE, MANIFEST_SHA_FILE,
+};
 pub use state::{KeyReport, LoadOptions, RankState};
 // How components describe their state lives in kiln-state, below every crate that has state;
 // re-exported here so that a checkpoint's users need one import.

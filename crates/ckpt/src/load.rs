@@ -7,7 +7,7 @@ use crate::gather::{all_gather_bytes, broadcast_steps};
 use crate::manifest::{hex, FileEntry, Manifest};
 use crate::rankfile::{header_len, parse_header, IndexedTensor};
 use crate::save::WRITE_PIECE;
-use crate::save::{committed_steps, step_dir, MANIFEST_FILE, MANIFEST_SHA_FILE};
+use crate::save::{committed_dir, committed_steps, step_dir, MANIFEST_FILE, MANIFEST_SHA_FILE};
 use crate::state::RankState;
 use crate::storage::Storage;
 use crate::storage::StorageReader;
@@ -67,9 +67,14 @@ pub struct Latest<T> {
     pub skipped: Vec<Skipped>,
 }
 
-/// Reads and verifies the manifest of the checkpoint at `step`.
+/// Reads and verifies the manifest of the committed checkpoint at `step`, wherever it lives
+/// (see [`committed_dir`]).
 pub(crate) fn read_manifest(storage: &dyn Storage, step: u64) -> Result<Manifest> {
-    let dir = step_dir(step);
+    read_manifest_in(storage, &committed_dir(storage, step)?, step)
+}
+
+/// Reads and verifies the manifest of checkpoint `step` in directory `dir`.
+pub(crate) fn read_manifest_in(storage: &dyn Storage, dir: &str, step: u64) -> Result<Manifest> {
     let path = format!("{dir}/{MANIFEST_FILE}");
     let bytes = storage.get(&path)?;
     let sha_path = format!("{dir}/{MANIFEST_SHA_FILE}");
@@ -134,14 +139,15 @@ fn damaged(
     parse_error
 }
 
-/// Reads rank file `entry` of checkpoint `step` straight into one buffer per tensor, hashing
-/// on a second thread as it reads, and checks size, sha256 and the manifest's tensor list.
+/// Reads rank file `entry` of the checkpoint in directory `dir` straight into one buffer per
+/// tensor, hashing on a second thread as it reads, and checks size, sha256 and the manifest's
+/// tensor list.
 pub(crate) fn read_rank_file(
     storage: &dyn Storage,
-    step: u64,
+    dir: &str,
     entry: &FileEntry,
 ) -> Result<VerifiedFile> {
-    let path = format!("{}/{}", step_dir(step), entry.path);
+    let path = format!("{dir}/{}", entry.path);
     let mut r = storage.open(&path)?;
     if r.size() != entry.size {
         return Err(CkptError::SizeMismatch {

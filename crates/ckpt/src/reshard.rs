@@ -6,7 +6,6 @@ use crate::error::{CkptError, Result};
 use crate::layout::Layout;
 use crate::load::{read_rank_file, VerifiedFile};
 use crate::manifest::Manifest;
-use crate::save::step_dir;
 use crate::state::RankState;
 use crate::storage::Storage;
 use kiln_state::Shard;
@@ -191,19 +190,19 @@ pub(crate) fn overlaps(
 struct Files<'a> {
     storage: &'a dyn Storage,
     manifest: &'a Manifest,
-    step: u64,
+    dir: &'a str,
     loaded: BTreeMap<usize, VerifiedFile>,
 }
 
 impl Files<'_> {
     fn get(&mut self, rank: usize) -> Result<&VerifiedFile> {
         let missing = || CkptError::Manifest {
-            path: step_dir(self.step),
+            path: self.dir.to_string(),
             reason: format!("no file for rank {rank}"),
         };
         if !self.loaded.contains_key(&rank) {
             let entry = self.manifest.file(rank).ok_or_else(missing)?;
-            let file = read_rank_file(self.storage, self.step, entry)?;
+            let file = read_rank_file(self.storage, self.dir, entry)?;
             self.loaded.insert(rank, file);
         }
         self.loaded.get(&rank).ok_or_else(missing)
@@ -278,11 +277,12 @@ fn assemble(
     Ok(TensorData::new(g.dtype, shape, out).map_err(|e| e.named(name))?)
 }
 
-/// One rank's resharded load of checkpoint `step` whose verified manifest is `manifest`.
+/// One rank's resharded load of the checkpoint in directory `dir` whose verified manifest is
+/// `manifest`.
 pub(crate) fn load_resharded_local(
     storage: &dyn Storage,
     manifest: &Manifest,
-    step: u64,
+    dir: &str,
     req: &ReshardRequest,
 ) -> Result<RankState> {
     if req.meta_rank >= manifest.files.len() {
@@ -300,7 +300,7 @@ pub(crate) fn load_resharded_local(
     let mut files = Files {
         storage,
         manifest,
-        step,
+        dir,
         loaded: BTreeMap::new(),
     };
     let mut parts: BTreeMap<String, StateDict> = BTreeMap::new();

@@ -1,6 +1,23 @@
 //! The save protocol every rank runs: write its file into `step-N.tmp/`, fsync, report size,
 //! sha256 and tensors to rank 0, which writes the manifest, renames the directory to
 //! `step-N/` (the commit), updates the `latest` pointer and applies retention.
+//!
+//! Re-saving a step that is already committed (after a rollback, or a resume that reaches the
+//! same step again) never deletes the committed copy before its replacement is committed.
+//! Rank 0 runs, each step durable before the next:
+//!
+//! 1. rename `step-N/` aside to `step-N.replaced/` (a stale `step-N.replaced/` beside a
+//!    `step-N/` is removed first: `step-N/` is the newer commit);
+//! 2. rename `step-N.tmp/` to `step-N/`: the commit;
+//! 3. write the `latest` pointer;
+//! 4. remove `step-N.replaced/`.
+//!
+//! A crash anywhere in between leaves step N committed: after 1, only as `step-N.replaced/`
+//! (the old content), which loading and listing treat as step N whenever `step-N/` is absent;
+//! after 2 or 3, as `step-N/` (the new content) with a leftover set-aside copy that loading
+//! ignores. The next commit of any step finishes the job (`recover_replaced`): a set-aside
+//! copy whose `step-N/` exists is removed, one without is renamed back to `step-N/`. Stale
+//! temporary cleanup only ever removes `.tmp` names, never a set-aside copy.
 
 use crate::digest::sha256_alongside;
 use crate::error::{CkptError, Result};
@@ -39,7 +56,18 @@ pub fn tmp_dir(step: u64) -> String {
     format!("step-{step:08}.tmp")
 }
 
-/// The step of a committed directory name, `None` for anything else (including `.tmp`).
+/// Where a committed checkpoint is set aside while a re-save of its step commits; loading
+/// treats it as the committed step `step` when [`step_dir`] is absent (see the module docs of
+/// the save protocol).
+pub fn replaced_dir(step: u64) -> String {
+    format!("step-{step:08}{REPLACED_SUFFIX}")
+}
+
+/// The suffix of [`replaced_dir`].
+const REPLACED_SUFFIX: &str = ".replaced";
+
+/// The step of a committed directory name, `None` for anything else (including `.tmp` and
+/// `.replaced`).
 pub(crate) fn parse_step_dir(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
@@ -48,16 +76,65 @@ pub(crate) fn parse_step_dir(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// Steps of the committed checkpoint directories, increasing.
+/// The step of a set-aside directory name ([`replaced_dir`]), `None` for anything else.
+fn parse_replaced_dir(name: &str) -> Option<u64> {
+    parse_step_dir(name.strip_suffix(REPLACED_SUFFIX)?)
+}
+
+/// Steps of the committed checkpoints, increasing: every `step-N/`, and every
+/// `step-N.replaced/` (a committed copy set aside by a re-save that crashed before removing
+/// it; without its `step-N/` it is the only copy of step N).
 pub(crate) fn committed_steps(storage: &dyn Storage) -> Result<Vec<u64>> {
     let mut steps: Vec<u64> = storage
         .list("")?
         .iter()
-        .filter_map(|n| parse_step_dir(n))
+        .filter_map(|n| parse_step_dir(n).or_else(|| parse_replaced_dir(n)))
         .collect();
     steps.sort_unstable();
     steps.dedup();
     Ok(steps)
+}
+
+/// The directory holding committed checkpoint `step`: `step-N/`, else `step-N.replaced/` when
+/// a re-save crashed after setting the old copy aside and before committing the new one, else
+/// `step-N/` (whose files are then missing, which loading reports as [`CkptError::NotFound`]).
+pub(crate) fn committed_dir(storage: &dyn Storage, step: u64) -> Result<String> {
+    let dir = step_dir(step);
+    if storage.exists(&dir)? {
+        return Ok(dir);
+    }
+    let aside = replaced_dir(step);
+    if storage.exists(&aside)? {
+        return Ok(aside);
+    }
+    Ok(dir)
+}
+
+/// Finishes re-saves that a crash interrupted: each `step-N.replaced/` is removed when
+/// `step-N/` (its committed replacement) exists, and renamed back to `step-N/` otherwise.
+/// Returns what it could not do, as warnings (nothing is lost then: loading still finds the
+/// step).
+pub(crate) fn recover_replaced(storage: &dyn Storage) -> Vec<String> {
+    let names = match storage.list("") {
+        Ok(n) => n,
+        Err(e) => return vec![format!("could not list set-aside checkpoints: {e}")],
+    };
+    let mut warnings = Vec::new();
+    for (name, step) in names
+        .iter()
+        .filter_map(|n| Some((n, parse_replaced_dir(n)?)))
+    {
+        let dir = step_dir(step);
+        let res = match storage.exists(&dir) {
+            Ok(true) => storage.remove(name),
+            Ok(false) => storage.rename(name, &dir),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = res {
+            warnings.push(format!("could not recover set-aside {name}: {e}"));
+        }
+    }
+    warnings
 }
 
 /// What a save did.
@@ -139,7 +216,8 @@ fn write_rank_file(
     })
 }
 
-/// Rank 0's commit: manifest, rename, pointer. Returns the retention outcome.
+/// Rank 0's commit: manifest, rename (setting a committed copy of the same step aside first,
+/// as the module docs describe), pointer. Returns the retention outcome.
 fn commit(ctx: &SaveCtx, step: u64, files: Vec<FileEntry>) -> Result<(Vec<u64>, Vec<String>)> {
     let storage = &*ctx.storage;
     let (tmp, dir) = (tmp_dir(step), step_dir(step));
@@ -157,21 +235,46 @@ fn commit(ctx: &SaveCtx, step: u64, files: Vec<FileEntry>) -> Result<(Vec<u64>, 
     let sha = format!("{}\n", hex(&Sha256::digest(&json)));
     storage.put(&format!("{tmp}/{MANIFEST_SHA_FILE}"), sha.as_bytes())?;
     storage.sync_dir(&tmp)?;
-    // A directory of the same step can only be a checkpoint that failed verification and
-    // was skipped on load: replace it.
-    storage.remove(&dir)?;
-    storage.rename(&tmp, &dir)?;
+    // Step N may be committed already (a rollback or a resume re-saving it). Its committed
+    // copy is only renamed aside here, and removed once the replacement is committed: at
+    // every instant one of the two is there for a loader to find.
+    let aside = replaced_dir(step);
+    let set_aside = storage.exists(&dir)?;
+    if set_aside {
+        // `step-N/` is newer than any set-aside copy of step N, which is then stale.
+        storage.remove(&aside)?;
+        storage.rename(&dir, &aside)?;
+    }
+    // Without a `step-N/`, a `step-N.replaced/` left by a crashed re-save is the committed
+    // step N: it stays until the new copy is committed.
+    if let Err(e) = storage.rename(&tmp, &dir) {
+        // Put the old copy back where the rename did not happen (best effort: loading finds
+        // the set-aside copy anyway, and the next commit renames it back).
+        if set_aside && matches!(storage.exists(&dir), Ok(false)) {
+            let _ = storage.rename(&aside, &dir);
+        }
+        return Err(e);
+    }
     // The commit is done; the pointer is a convenience for readers that cannot list.
     let ptr_tmp = format!("{LATEST_FILE}.tmp");
     storage.put(&ptr_tmp, format!("{dir}\n").as_bytes())?;
     storage.rename(&ptr_tmp, LATEST_FILE)?;
 
     let mut warnings = Vec::new();
+    if let Err(e) = storage.remove(&aside) {
+        warnings.push(format!("could not remove the replaced copy {aside}: {e}"));
+    }
+    // Set-aside copies of re-saves that crashed (of any step) are removed or renamed back.
+    warnings.extend(recover_replaced(storage));
     let mut deleted = Vec::new();
     match committed_steps(storage) {
         Ok(steps) => {
             for s in ctx.retention.to_delete(&steps, step) {
-                match storage.remove(&step_dir(s)) {
+                // A set-aside copy is step `s` too: retention deletes both.
+                match storage
+                    .remove(&replaced_dir(s))
+                    .and_then(|()| storage.remove(&step_dir(s)))
+                {
                     Ok(()) => deleted.push(s),
                     Err(e) => warnings.push(format!("retention could not delete step {s}: {e}")),
                 }
@@ -179,7 +282,8 @@ fn commit(ctx: &SaveCtx, step: u64, files: Vec<FileEntry>) -> Result<(Vec<u64>, 
         }
         Err(e) => warnings.push(format!("retention could not list checkpoints: {e}")),
     }
-    // Temporary directories left by saves that crashed before their commit.
+    // Temporary directories left by saves that crashed before their commit (only `.tmp`
+    // names: a `.replaced` copy is a committed checkpoint, never a stale temporary).
     match storage.list("") {
         Ok(names) => {
             for n in names.iter().filter(|n| n.ends_with(".tmp")) {
@@ -315,5 +419,11 @@ mod tests {
         assert_eq!(parse_step_dir("step-"), None);
         assert_eq!(parse_step_dir("latest"), None);
         assert_eq!(parse_step_dir("step-+1"), None);
+        assert_eq!(replaced_dir(10), "step-00000010.replaced");
+        assert_eq!(parse_step_dir("step-00000010.replaced"), None);
+        assert_eq!(parse_replaced_dir("step-00000010.replaced"), Some(10));
+        assert_eq!(parse_replaced_dir("step-00000010.tmp"), None);
+        assert_eq!(parse_replaced_dir("step-.replaced"), None);
+        assert_eq!(parse_replaced_dir("step-00000010"), None);
     }
 }
