@@ -72,7 +72,7 @@ fn main() {
 
     bench_sink(
         "jsonl",
-        JsonlSink::create(dir.join("run.jsonl")).unwrap(),
+        JsonlSink::create(dir.join("run.jsonl")).unwrap().buffered(),
         &records,
     );
     bench_sink(
@@ -109,7 +109,11 @@ fn main() {
     );
 
     let multi = MultiSink::new()
-        .with(JsonlSink::create(dir.join("multi.jsonl")).unwrap())
+        .with(
+            JsonlSink::create(dir.join("multi.jsonl"))
+                .unwrap()
+                .buffered(),
+        )
         .with(ConsoleSink::lines(std::io::sink(), 100))
         .with(TensorBoardSink::create(dir.join("tb_multi")).unwrap())
         .with(PlotSink::new(dir.join("plot_multi.png")));

@@ -9,8 +9,10 @@ use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 /// Writes every record as one JSON line (the [`StepMetrics`] schema) and every event as one
-/// line with an `"event"` key (the [`Event`] schema). Lines are buffered; events flush the
-/// buffer so an alert reaches the disk at once.
+/// line with an `"event"` key (the [`Event`] schema). Every line is handed to the file when
+/// written (one `write` per step), so a process killed at any point leaves the record of every
+/// step it finished, and a supervisor watching the file sees each step as it ends;
+/// [`JsonlSink::buffered`] keeps records in a 64 KiB buffer instead (events still flush it).
 ///
 /// ```
 /// use kiln_monitor::{JsonlSink, MetricSink, StepMetrics};
@@ -25,6 +27,7 @@ pub struct JsonlSink<W: Write + Send = BufWriter<File>> {
     path: Option<PathBuf>,
     line: Vec<u8>,
     closed: bool,
+    buffered: bool,
 }
 
 impl JsonlSink<BufWriter<File>> {
@@ -54,6 +57,7 @@ impl JsonlSink<BufWriter<File>> {
             path: Some(path.to_path_buf()),
             line: Vec::with_capacity(1024),
             closed: false,
+            buffered: false,
         })
     }
 }
@@ -66,7 +70,15 @@ impl<W: Write + Send> JsonlSink<W> {
             path: None,
             line: Vec::with_capacity(1024),
             closed: false,
+            buffered: false,
         }
+    }
+
+    /// Keeps records in the buffer until an event, a flush or the close (for logs written
+    /// millions of times a second; a kill loses the buffered records).
+    pub fn buffered(mut self) -> Self {
+        self.buffered = true;
+        self
     }
 
     /// The file written, if any.
@@ -105,7 +117,12 @@ impl<W: Write + Send> MetricSink for JsonlSink<W> {
     fn record(&mut self, m: &StepMetrics) -> Result<()> {
         self.line.clear();
         serde_json::to_writer(&mut self.line, m)?;
-        self.write_line()
+        self.write_line()?;
+        if self.buffered {
+            Ok(())
+        } else {
+            self.flush()
+        }
     }
 
     fn event(&mut self, e: &Event) -> Result<()> {
