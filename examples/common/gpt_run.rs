@@ -80,6 +80,20 @@ fn print_header(preset: &str, cfg: &RunConfig) -> anyhow::Result<()> {
         cfg.train.activation_checkpointing,
         cfg.device
     );
+    if !cfg.data.mixture.is_empty() {
+        let points: Vec<String> = cfg
+            .data
+            .mixture
+            .points
+            .iter()
+            .map(|p| format!("from step {}: {:?}", p.step, p.weights))
+            .collect();
+        println!(
+            "  corpora {:?} mixed by schedule: {}",
+            cfg.data.corpora,
+            points.join("; ")
+        );
+    }
     Ok(())
 }
 
@@ -102,6 +116,31 @@ fn report(summary: &TrainSummary, sample: &str, wall: f64) {
         println!("  rollbacks: {:?}", summary.rollbacks);
     }
     println!("  skipped steps: {}", summary.skipped_steps);
+    for (name, q) in &summary.quality {
+        println!(
+            "  quality filter    {name}: kept {} of {} documents, {} of {} tokens (perplexity <= {:.1})",
+            q.docs_kept,
+            q.docs_kept + q.docs_dropped,
+            q.tokens_kept,
+            q.tokens_kept + q.tokens_dropped,
+            q.threshold
+        );
+    }
+    let seen: u64 = summary.source_samples.iter().map(|(_, n)| n).sum();
+    if summary.source_samples.len() > 1 && seen > 0 {
+        let mix: Vec<String> = summary
+            .source_samples
+            .iter()
+            .map(|(name, n)| format!("{name} {:.1}%", 100.0 * *n as f64 / seen as f64))
+            .collect();
+        println!("  realised mixture  {} ({seen} samples)", mix.join(", "));
+    }
+    if let Some((kl, threshold)) = summary.drift {
+        println!(
+            "  data drift        KL {kl:.4} nats over the last window (alert above {threshold:.4}; raised {} time(s))",
+            summary.drift_alerts
+        );
+    }
     let o = &summary.outputs;
     for (what, p) in [
         ("metrics (JSONL)", &o.jsonl),

@@ -5,7 +5,10 @@ use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 use candle_core::{Device, Tensor};
 use kiln_comm::{CommExt, Communicator};
-use kiln_data::{prepare_corpus, Batch, PrepareConfig, SampleId, TokenSource, Verify};
+use kiln_data::{
+    prepare_corpus, Batch, DriftMonitor, PrepareConfig, QualityReport, SampleId, TokenSource,
+    Verify,
+};
 
 /// Bits of a breaker sample id that hold the window index; the source sits above them.
 const INDEX_BITS: u32 = 40;
@@ -30,6 +33,8 @@ pub struct DataSources {
     pub val: Vec<TokenSource>,
     /// The tokenizer's vocabulary size, when known.
     pub vocab_size: Option<usize>,
+    /// What the perplexity filter kept and dropped of each corpus (when it ran).
+    pub quality: Vec<(String, QualityReport)>,
 }
 
 /// Prepares the configured corpus (tokenizer and shards under the cache folder, built once)
@@ -44,6 +49,7 @@ pub fn prepare_sources(cfg: &RunConfig, world: &dyn Communicator) -> Result<Data
         val_fraction: d.val_fraction,
         train_shards: d.train_shards,
         tokenizer_sample_bytes: d.tokenizer_sample_bytes,
+        quality: d.quality.clone(),
         ..PrepareConfig::new(&d.data_dir, cfg.data_cache_dir()?)
     };
     let first = if world.rank() == 0 {
@@ -84,7 +90,72 @@ pub fn prepare_sources(cfg: &RunConfig, world: &dyn Communicator) -> Result<Data
             Vec::new()
         },
         vocab_size: Some(prepared.vocab_size),
+        quality: prepared
+            .sources
+            .iter()
+            .filter_map(|s| s.quality.clone().map(|q| (s.name.clone(), q)))
+            .collect(),
     })
+}
+
+/// Token counts of the reference distribution of the drift monitor: about `budget` tokens of
+/// the training sources, each source contributing in proportion to `weights` (equal when
+/// `None`), read as 64 evenly spaced runs so a corpus is not represented by its first pages.
+pub fn reference_counts(
+    sources: &[TokenSource],
+    weights: Option<&[f64]>,
+    vocab: usize,
+    budget: usize,
+) -> Result<Vec<u64>> {
+    const RUNS: u64 = 64;
+    let equal = vec![1.0; sources.len()];
+    let w = weights.unwrap_or(&equal);
+    let total: f64 = w.iter().sum();
+    let mut counts = vec![0u64; vocab];
+    let mut buf = Vec::new();
+    for (src, &wi) in sources.iter().zip(w) {
+        let want = ((budget as f64 * wi / total.max(f64::MIN_POSITIVE)) as u64).min(src.tokens());
+        if want == 0 {
+            continue;
+        }
+        let run = want.div_ceil(RUNS).max(1);
+        let stride = src.tokens() / RUNS.min(want.div_ceil(run)).max(1);
+        let mut taken = 0u64;
+        let mut start = 0u64;
+        while taken < want && start < src.tokens() {
+            let n = run.min(want - taken).min(src.tokens() - start);
+            buf.resize(n as usize, 0);
+            src.read_tokens(start, &mut buf, None)?;
+            for &t in &buf {
+                let Some(c) = counts.get_mut(t as usize) else {
+                    return Err(TrainError::config(
+                        "RunConfig.model.vocab_size",
+                        format!(
+                            "source {} holds token {t}, outside the model's vocabulary of {vocab}",
+                            src.name()
+                        ),
+                    ));
+                };
+                *c += 1;
+            }
+            taken += n;
+            start += stride.max(n);
+        }
+    }
+    Ok(counts)
+}
+
+/// A drift monitor over `sources` (see [`crate::DriftSection`]) with its threshold as
+/// configured, not yet calibrated.
+pub fn drift_monitor(
+    cfg: &crate::DriftSection,
+    sources: &[TokenSource],
+    weights: Option<&[f64]>,
+    vocab: usize,
+) -> Result<DriftMonitor> {
+    let counts = reference_counts(sources, weights, vocab, cfg.reference_tokens)?;
+    DriftMonitor::from_counts(&counts, cfg.alpha, cfg.window, cfg.threshold)
+        .map_err(|e| TrainError::config("RunConfig.data.drift", e.to_string()))
 }
 
 /// Splits a loader batch into `parts` micro-batches of input and target tensors `[b, t]` on

@@ -54,8 +54,9 @@ pub mod state;
 mod trainer;
 
 pub use config::{
-    CheckpointSection, DataSection, EvalSection, MetricsSection, ModelSection, MonitorSection,
-    OptimSection, ParallelSection, PrecisionSection, RunConfig, TrainSection, RUN_PRESETS,
+    CheckpointSection, DataSection, DriftSection, DynamicBatchSection, EvalSection, MetricsSection,
+    ModelSection, MonitorSection, OptimSection, ParallelSection, PrecisionSection, RunConfig,
+    SkipWindows, TrainSection, RUN_PRESETS,
 };
 pub use data::{decode_sample_id, encode_sample_id, micro_batches, prepare_sources, DataSources};
 pub use error::{Result, TrainError};

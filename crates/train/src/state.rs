@@ -9,6 +9,7 @@
 //! | `detectors` | the [`kiln_monitor::DetectorSet`] itself | the recent records its windows replay |
 //! | `trainer` | [`TrainerProgress`] | step counters and the run hash |
 //! | `rng` | [`kiln_ckpt::RngState`] | the seed (every random draw is keyed by it) |
+//! | `drift` | the [`kiln_data::DriftMonitor`] itself | the token ids of its window |
 //!
 //! The `engine` part is kiln-parallel's [`kiln_parallel::DataParallel`] itself: every
 //! parameter and its AdamW moments under their own names, with global shapes and each rank's
@@ -33,6 +34,10 @@ pub struct TrainerProgress {
     pub samples_seen: u64,
     /// [`crate::RunConfig::trajectory_hash`] of the run that saved it.
     pub run_hash: String,
+    /// Samples trained on from each training source, over all data-parallel ranks (the
+    /// realised mixture).
+    #[serde(default)]
+    pub source_samples: Vec<u64>,
 }
 
 impl Stateful for TrainerProgress {

@@ -6,8 +6,9 @@ mod sections;
 mod validate;
 
 pub use sections::{
-    CheckpointSection, DataSection, EvalSection, MetricsSection, ModelSection, MonitorSection,
-    OptimSection, ParallelSection, PrecisionSection, TrainSection,
+    CheckpointSection, DataSection, DriftSection, DynamicBatchSection, EvalSection, MetricsSection,
+    ModelSection, MonitorSection, OptimSection, ParallelSection, PrecisionSection, SkipWindows,
+    TrainSection,
 };
 
 use crate::error::{Result, TrainError};
@@ -102,7 +103,9 @@ impl RunConfig {
     /// - `tiny`: the `tiny` model, one rank, f32, 50 steps; for tests and quick checks.
     /// - `train_gpt`: the GPT-3 architecture scaled down (`small_cpu`), dp=2 x tp=2, ZeRO-1,
     ///   f16 with dynamic loss scaling, activation checkpointing, warmup + cosine, clipping,
-    ///   checkpoints, spike detection with rollback, JSONL + TensorBoard + PNG.
+    ///   checkpoints, spike detection with rollback, JSONL + TensorBoard + PNG; the corpus
+    ///   through the perplexity filter, its three corpora mixed equally for 100 steps and then
+    ///   3:1:1, the drift monitor watching.
     /// - `train_gpt_zero3`: `train_gpt` on dp=4 with ZeRO-3.
     /// - `train_gpt_tp`: `train_gpt` on tp=4.
     pub fn preset(name: &str) -> Result<Self> {
@@ -131,6 +134,7 @@ impl RunConfig {
                 accumulation: 1,
                 seq_len: 128,
                 activation_checkpointing: CheckpointPolicy::EveryBlock,
+                ..TrainSection::default()
             },
             optim: OptimSection {
                 schedule: ScheduleConfig {
@@ -150,6 +154,24 @@ impl RunConfig {
                 every: 50,
                 batches: 8,
                 at_end: true,
+            },
+            data: DataSection {
+                // the main job filters its corpus and shifts its mixture halfway through, which
+                // the drift monitor (on by default) sees
+                quality: Some(kiln_data::QualityConfig::default()),
+                mixture: kiln_data::MixtureSchedule {
+                    points: vec![
+                        kiln_data::MixturePoint {
+                            step: 1,
+                            weights: vec![1.0, 1.0, 1.0],
+                        },
+                        kiln_data::MixturePoint {
+                            step: 101,
+                            weights: vec![3.0, 1.0, 1.0],
+                        },
+                    ],
+                },
+                ..DataSection::default()
             },
             ..RunConfig::default()
         };
@@ -228,7 +250,12 @@ impl RunConfig {
             .clone()
             .unwrap_or_else(kiln_data::default_cache_dir);
         let vocab = self.gpt_config()?.vocab_size;
-        Ok(root.join(format!("{}-v{vocab}", self.data.corpora.join("+"))))
+        // a filtered corpus has its own folder: runs with and without the filter share a cache
+        let quality = match &self.data.quality {
+            Some(q) => format!("-ppl{}x{}m{}", q.order, q.drop_fraction, q.min_doc_tokens),
+            None => String::new(),
+        };
+        Ok(root.join(format!("{}-v{vocab}{quality}", self.data.corpora.join("+"))))
     }
 
     /// A short hash of everything that shapes the training trajectory (model, precision,
@@ -244,6 +271,14 @@ impl RunConfig {
             "optim": self.optim,
             "corpora": self.data.corpora,
             "val_fraction": self.data.val_fraction});
+        // later additions enter the hash only when set, so earlier checkpoints keep theirs
+        let mut v = v;
+        if let Some(q) = &self.data.quality {
+            v["quality"] = serde_json::json!(q);
+        }
+        if !self.data.mixture.is_empty() {
+            v["mixture"] = serde_json::json!(self.data.mixture);
+        }
         let digest = Sha256::digest(v.to_string().as_bytes());
         digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
     }
@@ -467,5 +502,65 @@ mod tests {
         assert_eq!(a.trajectory_hash(), b.trajectory_hash());
         b.optim.schedule.lr *= 2.0;
         assert_ne!(a.trajectory_hash(), b.trajectory_hash());
+    }
+
+    #[test]
+    fn data_sections_from_flags_and_their_errors() {
+        let c = RunConfig::preset("train_gpt").unwrap();
+        assert!(c.data.quality.is_some() && c.data.drift.enabled);
+        assert_eq!(c.data.mixture.points.len(), 2);
+        c.validate().unwrap();
+        // other corpora without a schedule: equal weights; with one: checked against them
+        let mut one = c.clone();
+        one.apply_overrides(&[("corpora", "shakespeare")]).unwrap();
+        assert!(one.data.mixture.is_empty());
+        one.validate().unwrap();
+        let mut two = c.clone();
+        two.apply_overrides(&[
+            ("corpora", "shakespeare,austen"),
+            ("data.mixture", r#"[{"step": 1, "weights": [2, 1]}]"#),
+        ])
+        .unwrap();
+        assert_eq!(two.data.mixture.weights_at(5), Some(&[2.0, 1.0][..]));
+        two.validate().unwrap();
+        let mut bad = c.clone();
+        bad.apply_overrides(&[("data.mixture", r#"[{"step": 1, "weights": [2, 1]}]"#)])
+            .unwrap();
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("RunConfig.data.mixture") && e.contains("2 weights for 3 sources"),
+            "{e}"
+        );
+        // the filter off, loader options and the drift section
+        let mut o = c.clone();
+        o.apply_overrides(&[
+            ("data.quality", "none"),
+            ("data.stall_timeout_s", "2.5"),
+            ("data.drift.window", "4"),
+            (
+                "data.skip",
+                r#"[{"corpus": "austen", "start": 3, "end": 9}]"#,
+            ),
+        ])
+        .unwrap();
+        assert_eq!(o.data.quality, None);
+        assert_eq!((o.data.stall_timeout_s, o.data.drift.window), (2.5, 4));
+        assert_eq!(o.data.skip[0].end, 9);
+        assert_ne!(o.data_cache_dir().unwrap(), c.data_cache_dir().unwrap());
+        for (k, v, field) in [
+            ("data.drift.window", "0", "data.drift.window"),
+            ("data.stall_timeout_s", "0", "data.stall_timeout_s"),
+            ("data.quality.drop_fraction", "1.5", "data.quality"),
+            (
+                "data.skip",
+                r#"[{"corpus": "austen", "start": 9, "end": 9}]"#,
+                "data.skip[0]",
+            ),
+        ] {
+            let mut x = c.clone();
+            x.apply_overrides(&[(k, v)]).unwrap();
+            let e = x.validate().unwrap_err().to_string();
+            assert!(e.contains(&format!("RunConfig.{field}")), "{k}={v}: {e}");
+        }
     }
 }

@@ -71,6 +71,15 @@ fn parse_value(path: &str, current: &Value, text: &str) -> Result<Value> {
             Value::from(s)
         }
     };
+    // JSON for lists of tables and sections (`--data.mixture '[{"step":1,"weights":[1,2]}]'`),
+    // and `none` for an optional section (`--data.quality none`)
+    if (t.starts_with('[') || t.starts_with('{')) && !matches!(current, Value::String(_)) {
+        return serde_json::from_str(t)
+            .map_err(|e| TrainError::config(&field, format!("expected JSON, got {t:?}: {e}")));
+    }
+    if matches!(t, "none" | "null") && matches!(current, Value::Object(_) | Value::Null) {
+        return Ok(Value::Null);
+    }
     Ok(match current {
         Value::Bool(_) => Value::from(parse_bool(t).ok_or_else(|| {
             TrainError::config(&field, format!("expected true or false, got {t:?}"))
@@ -129,7 +138,10 @@ impl RunConfig {
     /// Sets fields from `(key, value)` pairs, in order. A key is a dotted path
     /// (`optim.schedule.lr`, `parallel.dp`, `seed`) or a short alias (`steps`, `dp`, `tp`, `zero`,
     /// `precision`, `preset`, `lr`, `micro_batch`, `seq_len`, `out`, ...); `-` and `_` are
-    /// interchangeable. The value is parsed for the field's type (lists are comma-separated).
+    /// interchangeable. The value is parsed for the field's type (lists are comma-separated;
+    /// lists of tables and sections as JSON; `none` empties an optional section). Setting
+    /// `data.corpora` drops a mixture schedule written for other corpora unless
+    /// `data.mixture` is set too.
     pub fn apply_overrides<K: AsRef<str>, V: AsRef<str>>(
         &mut self,
         pairs: &[(K, V)],
@@ -186,6 +198,16 @@ impl RunConfig {
         }
         *self = serde_json::from_value(doc)
             .map_err(|e| TrainError::config("RunConfig (after overrides)", e.to_string()))?;
+        // a preset's mixture schedule is written for its corpora: other corpora given without a
+        // schedule of their own are mixed with equal weights
+        let set = |key: &str| pairs.iter().any(|(k, _)| canonical_key(k.as_ref()) == key);
+        let d = &mut self.data;
+        if set("data.corpora")
+            && !set("data.mixture")
+            && d.mixture.validate(d.corpora.len()).is_err()
+        {
+            d.mixture = kiln_data::MixtureSchedule::default();
+        }
         Ok(())
     }
 

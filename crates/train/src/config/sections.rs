@@ -2,6 +2,7 @@
 
 use crate::error::{Result, TrainError};
 use kiln_comm::launch::Backend;
+use kiln_data::{MixtureSchedule, QualityConfig};
 use kiln_memory::CheckpointPolicy;
 use kiln_model::GptConfig;
 use kiln_monitor::{BreakerPolicy, SpikeConfig};
@@ -163,6 +164,26 @@ pub struct TrainSection {
     pub seq_len: usize,
     /// Activation checkpointing: `none`, `every_block`, or `every_<k>` (every k-th block).
     pub activation_checkpointing: CheckpointPolicy,
+    /// Let a memory budget choose the micro-batch: the samples per step on each rank
+    /// (`micro_batch * accumulation`) stay fixed, and kiln-memory's [`kiln_memory::DynamicBatch`]
+    /// picks the largest micro-batch dividing them whose estimated memory fits the budget,
+    /// accumulating over the rest. None: `micro_batch` and `accumulation` as given.
+    pub dynamic_batch: Option<DynamicBatchSection>,
+}
+
+/// The memory budget of [`TrainSection::dynamic_batch`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DynamicBatchSection {
+    /// The budget of one rank in MiB; 0: the memory the system reports available at start
+    /// (`MemAvailable`), shared by the ranks of this process.
+    pub budget_mib: f64,
+}
+
+impl Default for DynamicBatchSection {
+    fn default() -> Self {
+        DynamicBatchSection { budget_mib: 0.0 }
+    }
 }
 
 impl Default for TrainSection {
@@ -173,6 +194,7 @@ impl Default for TrainSection {
             accumulation: 1,
             seq_len: 64,
             activation_checkpointing: CheckpointPolicy::None,
+            dynamic_batch: None,
         }
     }
 }
@@ -322,6 +344,73 @@ pub struct DataSection {
     pub workers: usize,
     /// Batches staged ahead.
     pub prefetch: usize,
+    /// Seconds the loader waits for a batch before it reports a stall (an error naming the
+    /// wait, not a hang).
+    pub stall_timeout_s: f64,
+    /// Tokens per chunk of the loader's shard cache.
+    pub cache_chunk_tokens: usize,
+    /// Chunks the loader's LRU cache keeps (0 disables it).
+    pub cache_chunks: usize,
+    /// Sample windows never trained on: `[[data.skip]] corpus = "austen", start = 0, end = 64`
+    /// (window indices of that corpus's training split).
+    pub skip: Vec<SkipWindows>,
+    /// The perplexity filter applied when the corpus is prepared: documents (paragraphs) whose
+    /// n-gram perplexity is among the highest `drop_fraction` of their corpus are left out of
+    /// the training split. None keeps every document.
+    pub quality: Option<QualityConfig>,
+    /// Mixture weights of the corpora by training step (`[[data.mixture]] step = 1, weights =
+    /// [...]`, one weight per corpus); empty: equal weights throughout.
+    pub mixture: MixtureSchedule,
+    /// The token-distribution drift monitor.
+    pub drift: DriftSection,
+}
+
+/// Windows of one corpus's training split to skip (see [`DataSection::skip`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SkipWindows {
+    /// The corpus name (one of `data.corpora`, or a source's name with custom sources).
+    pub corpus: String,
+    /// The first window skipped.
+    pub start: u64,
+    /// One past the last window skipped.
+    pub end: u64,
+}
+
+/// The drift monitor: the KL divergence of the token distribution of the last `window` global
+/// batches from a reference (the training corpora mixed with the initial weights), a metric
+/// (`drift_kl`) every step, and a warning event when it rises above the threshold.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DriftSection {
+    /// Run the monitor.
+    pub enabled: bool,
+    /// Global batches in the window.
+    pub window: usize,
+    /// Add-alpha smoothing of the reference counts.
+    pub alpha: f64,
+    /// Alert threshold in nats; 0: calibrated at start as `calibrate_margin` times the largest
+    /// divergence of full windows of training batches drawn with the initial weights in
+    /// another order (sampling noise and the estimate's bias, no drift).
+    pub threshold: f64,
+    /// The margin of the calibrated threshold.
+    pub calibrate_margin: f64,
+    /// Tokens of the training corpora the reference distribution is counted from (spread over
+    /// each corpus, in proportion to the initial weights).
+    pub reference_tokens: usize,
+}
+
+impl Default for DriftSection {
+    fn default() -> Self {
+        DriftSection {
+            enabled: true,
+            window: 16,
+            alpha: 0.5,
+            threshold: 0.0,
+            calibrate_margin: 1.5,
+            reference_tokens: 1 << 20,
+        }
+    }
 }
 
 impl Default for DataSection {
@@ -338,6 +427,13 @@ impl Default for DataSection {
             tokenizer_sample_bytes: 4 << 20,
             workers: 1,
             prefetch: 4,
+            stall_timeout_s: 60.0,
+            cache_chunk_tokens: 1 << 16,
+            cache_chunks: 64,
+            skip: Vec::new(),
+            quality: None,
+            mixture: MixtureSchedule::default(),
+            drift: DriftSection::default(),
         }
     }
 }

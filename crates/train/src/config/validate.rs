@@ -138,6 +138,96 @@ impl RunConfig {
         if d.prefetch == 0 {
             return bad("data.prefetch", "must be at least 1, got 0".into());
         }
+        if !(d.stall_timeout_s.is_finite() && d.stall_timeout_s > 0.0) {
+            return bad(
+                "data.stall_timeout_s",
+                format!("must be finite and > 0, got {}", d.stall_timeout_s),
+            );
+        }
+        if d.cache_chunk_tokens == 0 {
+            return bad(
+                "data.cache_chunk_tokens",
+                "must be at least 1, got 0".into(),
+            );
+        }
+        for (i, w) in d.skip.iter().enumerate() {
+            if w.end <= w.start {
+                return bad(
+                    &format!("data.skip[{i}]"),
+                    format!("end ({}) must be past start ({})", w.end, w.start),
+                );
+            }
+        }
+        if let Some(q) = &d.quality {
+            q.validate()
+                .map_err(|e| TrainError::config("RunConfig.data.quality", e.to_string()))?;
+        }
+        if !d.mixture.is_empty() {
+            if d.corpora.len() < 2 {
+                return bad(
+                    "data.mixture",
+                    format!(
+                        "a mixture schedule needs several corpora, data.corpora names {} \
+                         (clear the schedule with --data.mixture '[]')",
+                        d.corpora.len()
+                    ),
+                );
+            }
+            d.mixture.validate(d.corpora.len()).map_err(|e| {
+                TrainError::config(
+                    "RunConfig.data.mixture",
+                    format!(
+                        "{e} (data.corpora names {}; set the schedule with --data.mixture \
+                             '[{{\"step\": 1, \"weights\": [...]}}]' or clear it with '[]')",
+                        d.corpora.len()
+                    ),
+                )
+            })?;
+        }
+        let dr = &d.drift;
+        if dr.enabled {
+            if dr.window == 0 {
+                return bad("data.drift.window", "must be at least 1, got 0".into());
+            }
+            if !(dr.alpha.is_finite() && dr.alpha > 0.0) {
+                return bad(
+                    "data.drift.alpha",
+                    format!("must be finite and > 0, got {}", dr.alpha),
+                );
+            }
+            if !(dr.threshold.is_finite() && dr.threshold >= 0.0) {
+                return bad(
+                    "data.drift.threshold",
+                    format!(
+                        "must be finite and >= 0 (0: calibrate), got {}",
+                        dr.threshold
+                    ),
+                );
+            }
+            if !(dr.calibrate_margin.is_finite() && dr.calibrate_margin > 0.0) {
+                return bad(
+                    "data.drift.calibrate_margin",
+                    format!("must be finite and > 0, got {}", dr.calibrate_margin),
+                );
+            }
+            if dr.reference_tokens == 0 {
+                return bad(
+                    "data.drift.reference_tokens",
+                    "must be at least 1, got 0".into(),
+                );
+            }
+        }
+        if let Some(db) = &t.dynamic_batch {
+            if !(db.budget_mib.is_finite() && db.budget_mib >= 0.0) {
+                return bad(
+                    "train.dynamic_batch.budget_mib",
+                    format!(
+                        "must be finite and >= 0 (0: available memory), got {}",
+                        db.budget_mib
+                    ),
+                );
+            }
+        }
         if !(self.metrics.peak_flops_per_s.is_finite() && self.metrics.peak_flops_per_s > 0.0) {
             return bad(
                 "metrics.peak_flops_per_s",

@@ -1,7 +1,7 @@
 //! [`TrainerBuilder`]: every part of a [`Trainer`] defaulted from the configuration, and `build`.
 
 use crate::config::RunConfig;
-use crate::data::{prepare_sources, DataSources};
+use crate::data::{drift_monitor, prepare_sources, DataSources};
 use crate::error::{Result, TrainError};
 use crate::model::{ModelContext, TrainModel};
 use crate::state::TrainerProgress;
@@ -9,10 +9,11 @@ use kiln_ckpt::{
     CheckpointConfig, Checkpointer, Layout, LocalFs, Retention, RngState, SavePolicy, Storage,
 };
 use kiln_comm::Communicator;
-use kiln_data::{DataLoader, LoaderConfig, TokenSource, Transform};
+use kiln_data::{DataLoader, DriftMonitor, LoaderConfig, TokenSource, Transform};
 use kiln_model::Gpt;
 use kiln_monitor::{
-    BreakerPolicy, CircuitBreaker, DetectorSet, MetricSink, Mfu, MultiSink, StepMetrics, Watchdog,
+    BreakerPolicy, CircuitBreaker, DetectorSet, Event, EventKind, MetricSink, Mfu, MultiSink,
+    StepMetrics, Watchdog,
 };
 use kiln_optim::LrSchedule;
 use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims};
@@ -114,6 +115,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
             train,
             val,
             vocab_size: None,
+            quality: Vec::new(),
         });
         self
     }
@@ -148,8 +150,16 @@ impl<M: TrainModel> TrainerBuilder<M> {
 
     /// [`TrainerBuilder::build`] over a shared communicator.
     pub fn build_shared(self, world: Arc<dyn Communicator>) -> Result<Trainer<M>> {
-        let cfg = self.config;
+        let mut cfg = self.config;
         cfg.validate()?;
+        let dynamic = match &cfg.train.dynamic_batch {
+            Some(db) => Some(plan_dynamic_batch(&cfg, db.budget_mib)?),
+            None => None,
+        };
+        if let Some((micro, accumulation, _)) = dynamic {
+            cfg.train.micro_batch = micro;
+            cfg.train.accumulation = accumulation;
+        }
         let gpt = cfg.gpt_config()?;
         let p = &cfg.parallel;
         if world.world_size() != p.world() {
@@ -202,15 +212,59 @@ impl<M: TrainModel> TrainerBuilder<M> {
         if sources.train.is_empty() {
             return Err(TrainError::Builder("no training source".into()));
         }
+        let d = &cfg.data;
         let loader_cfg = LoaderConfig {
             dp: p.dp,
             rank: dp.rank(),
             seed: cfg.seed,
-            workers: cfg.data.workers,
-            prefetch: cfg.data.prefetch,
+            workers: d.workers,
+            prefetch: d.prefetch,
+            stall_timeout: Duration::from_secs_f64(d.stall_timeout_s),
+            chunk_tokens: d.cache_chunk_tokens,
+            cache_chunks: d.cache_chunks,
             ..LoaderConfig::new(cfg.train.seq_len, cfg.train.rank_batch())
         };
-        let mut loader = DataLoader::new(sources.train.clone(), None, loader_cfg.clone())?;
+        if !d.mixture.is_empty() {
+            d.mixture
+                .validate(sources.train.len())
+                .map_err(|e| TrainError::config("RunConfig.data.mixture", e.to_string()))?;
+        }
+        let initial_weights = d.mixture.weights_at(1);
+        let mut loader =
+            DataLoader::new(sources.train.clone(), initial_weights, loader_cfg.clone())?;
+        let source_names: Vec<String> =
+            sources.train.iter().map(|s| s.name().to_string()).collect();
+        for (i, w) in d.skip.iter().enumerate() {
+            let Some(src) = source_names.iter().position(|n| *n == w.corpus) else {
+                return Err(TrainError::config(
+                    format!("RunConfig.data.skip[{i}].corpus"),
+                    format!(
+                        "{:?} is not a training source (they are {source_names:?})",
+                        w.corpus
+                    ),
+                ));
+            };
+            loader.skip_range(src as u32, w.start..w.end);
+        }
+        let mut pending_events = Vec::new();
+        let drift = if d.drift.enabled {
+            let vocab = cfg.gpt_config()?.vocab_size;
+            let mut m = drift_monitor(&d.drift, &sources.train, initial_weights, vocab)?;
+            if d.drift.threshold == 0.0 {
+                if let Err(why) = calibrate_drift(&mut m, &cfg, &sources.train, initial_weights) {
+                    // the metric still runs; only the alert needs a threshold
+                    m.set_threshold(f64::MAX);
+                    pending_events.push(Event::new(
+                        EventKind::Info,
+                        0,
+                        format!("drift monitor without alerts: {why}"),
+                    ));
+                }
+            }
+            Some(m)
+        } else {
+            None
+        };
         let evaluates = cfg.eval.batches > 0 && (cfg.eval.every > 0 || cfg.eval.at_end);
         if evaluates && !sources.val.is_empty() {
             // fail now, not at the first evaluation, on a validation split too small to batch
@@ -325,6 +379,43 @@ impl<M: TrainModel> TrainerBuilder<M> {
             run_hash: cfg.trajectory_hash(),
             ..TrainerProgress::default()
         };
+        for (name, q) in &sources.quality {
+            pending_events.push(Event::new(
+                EventKind::Info,
+                0,
+                format!(
+                    "quality filter on {name}: kept {} of {} documents ({} of {} tokens), \
+                     perplexity threshold {:.1}",
+                    q.docs_kept,
+                    q.docs_kept + q.docs_dropped,
+                    q.tokens_kept,
+                    q.tokens_kept + q.tokens_dropped,
+                    q.threshold
+                ),
+            ));
+        }
+        if let Some((micro, accumulation, budget)) = dynamic {
+            pending_events.push(Event::new(
+                EventKind::Info,
+                0,
+                format!(
+                    "dynamic batch: micro-batch {micro} x {accumulation} accumulation fits the \
+                     budget of {:.1} MiB per rank",
+                    budget as f64 / (1 << 20) as f64
+                ),
+            ));
+        }
+        if let Some(m) = drift.as_ref().filter(|m| m.threshold() < f64::MAX) {
+            pending_events.push(Event::new(
+                EventKind::Info,
+                0,
+                format!(
+                    "drift monitor: window of {} batches, alert above {:.4} nats",
+                    d.drift.window,
+                    m.threshold()
+                ),
+            ));
+        }
         let mut trainer = Trainer {
             rng: RngState {
                 seed: cfg.seed,
@@ -341,6 +432,10 @@ impl<M: TrainModel> TrainerBuilder<M> {
             schedule,
             loader,
             loader_cfg,
+            source_names,
+            quality: sources.quality,
+            drift,
+            drift_alerts: 0,
             val_sources: sources.val,
             ckpt,
             sinks: MultiSink::new(),
@@ -359,7 +454,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
             outputs,
             on_step: self.on_step,
             last_metrics: None,
-            pending_events: Vec::new(),
+            pending_events,
             run_tokens: 0,
             started: Instant::now(),
             cfg,
@@ -394,4 +489,109 @@ impl Trainer<Gpt> {
             on_step: None,
         }
     }
+}
+
+/// The micro-batch and accumulation kiln-memory's [`kiln_memory::DynamicBatch`] picks for
+/// this run's samples per rank under a budget of `budget_mib` (0: the memory available now,
+/// shared by this process's ranks); with the budget in bytes.
+fn plan_dynamic_batch(cfg: &RunConfig, budget_mib: f64) -> Result<(usize, usize, u64)> {
+    use kiln_memory::{DynamicBatch, MemPrecision, MemoryPlan, ShardingStage};
+    let field = "RunConfig.train.dynamic_batch";
+    let p = &cfg.parallel;
+    let budget = if budget_mib > 0.0 {
+        (budget_mib * (1u64 << 20) as f64) as u64
+    } else {
+        let avail = available_memory().ok_or_else(|| {
+            TrainError::config(
+                field,
+                "budget_mib = 0 asks for the available memory, which this system does not \
+                 report (/proc/meminfo): set budget_mib",
+            )
+        })?;
+        let local_ranks = if p.backend == kiln_comm::launch::Backend::Thread {
+            p.world() as u64
+        } else {
+            1
+        };
+        avail / local_ranks.max(1)
+    };
+    let plan = MemoryPlan {
+        shape: cfg.gpt_config()?.shape(),
+        precision: if cfg.precision.compute == ComputeDType::F32 {
+            MemPrecision::F32
+        } else {
+            MemPrecision::Mixed16
+        },
+        stage: match p.zero {
+            0 => ShardingStage::Replicated,
+            1 => ShardingStage::Zero1,
+            2 => ShardingStage::Zero2,
+            _ => ShardingStage::Zero3,
+        },
+        dp: p.dp as u64,
+        tp: p.tp as u64,
+        micro_batch: 1,
+        checkpointing: cfg.train.activation_checkpointing != kiln_memory::CheckpointPolicy::None,
+        bucket_bytes: p.bucket_bytes() as u64,
+    };
+    let global = (cfg.train.rank_batch() * p.dp) as u64;
+    let db = DynamicBatch::new(plan, global, budget)
+        .map_err(|e| TrainError::config(field, e.to_string()))?;
+    Ok((
+        db.micro_batch() as usize,
+        db.accumulation_steps() as usize,
+        budget,
+    ))
+}
+
+/// `MemAvailable` of /proc/meminfo in bytes.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Sets the drift threshold to `calibrate_margin` times the largest divergence over full
+/// windows of batches drawn like the training batches (the training sources, the initial
+/// weights, the global batch size) but in another order (their own seed): what the window of a
+/// run without drift shows, sampling noise and the estimate's upward bias included. The same
+/// on every rank.
+fn calibrate_drift(
+    m: &mut DriftMonitor,
+    cfg: &RunConfig,
+    train: &[TokenSource],
+    weights: Option<&[f64]>,
+) -> Result<()> {
+    let dr = &cfg.data.drift;
+    let global = cfg.train.rank_batch() * cfg.parallel.dp;
+    let lcfg = LoaderConfig {
+        seed: cfg.seed ^ 0x0064_7269_6674, // "drift"
+        workers: 0,
+        prefetch: 1,
+        cache_chunks: 0,
+        ..LoaderConfig::new(cfg.train.seq_len, global)
+    };
+    let weights = if train.len() > 1 { weights } else { None };
+    let mut loader = DataLoader::new(train.to_vec(), weights, lcfg)?;
+    let mut batches = Vec::new();
+    for _ in 0..4 * dr.window {
+        match loader.next_batch() {
+            Ok(b) => batches.push(b.inputs),
+            Err(_) if batches.len() >= dr.window => break,
+            Err(e) => {
+                return Err(TrainError::config(
+                    "RunConfig.data.drift.threshold",
+                    format!(
+                        "0 asks for calibration, and the training data gives fewer than one \
+                         window of {} batches ({e}): set a threshold",
+                        dr.window
+                    ),
+                ))
+            }
+        }
+    }
+    m.calibrate(batches.iter().map(|b| &b[..]), dr.calibrate_margin)
+        .map_err(|e| TrainError::config("RunConfig.data.drift", e.to_string()))?;
+    Ok(())
 }

@@ -13,10 +13,13 @@ impl<M: TrainModel> Trainer<M> {
     /// The reshard request of this rank's layout.
     pub(super) fn request(&self) -> Result<kiln_ckpt::ReshardRequest> {
         let p = &self.cfg.parallel;
-        Ok(
-            kiln_ckpt::ReshardRequest::new(Layout::new(p.dp, p.tp, p.zero)?)
-                .component("engine", &self.engine),
-        )
+        let mut req = kiln_ckpt::ReshardRequest::new(Layout::new(p.dp, p.tp, p.zero)?)
+            .component("engine", &self.engine);
+        if self.drift.is_some() {
+            // replicated on every rank: the whole window, whatever its saved length
+            req = req.part("drift", kiln_ckpt::Want::Full);
+        }
+        Ok(req)
     }
 
     /// Loads the checkpoint `resume_step` or the latest good one, when the configuration asks.
@@ -125,6 +128,15 @@ impl<M: TrainModel> Trainer<M> {
                 st.restore("detectors", d, strict)?;
             }
         }
+        if let Some(m) = self.drift.as_mut() {
+            match st.part("drift") {
+                // the window's length varies, so the monitor checks the part itself
+                Some(sd) => kiln_ckpt::Stateful::load_state(m, sd.clone())
+                    .map_err(kiln_ckpt::CkptError::from)?,
+                // a checkpoint without the monitor's window starts it empty
+                None => m.reset(),
+            }
+        }
         if let Some(b) = &self.breaker {
             let ids: Vec<_> = b
                 .breaker_state()
@@ -151,6 +163,9 @@ impl<M: TrainModel> Trainer<M> {
         }
         if let Some(d) = self.detectors.as_ref() {
             st.capture("detectors", d)?;
+        }
+        if let Some(m) = self.drift.as_ref() {
+            st.capture("drift", m)?;
         }
         st.capture("trainer", &self.progress)?;
         st.capture("rng", &self.rng)?;

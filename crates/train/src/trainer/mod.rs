@@ -14,7 +14,7 @@ use crate::model::{ModelContext, TrainModel};
 use crate::state::TrainerProgress;
 use kiln_ckpt::{Checkpointer, RngState};
 use kiln_comm::Communicator;
-use kiln_data::{DataLoader, LoaderConfig, TokenSource};
+use kiln_data::{DataLoader, DriftMonitor, LoaderConfig, QualityReport, TokenSource};
 use kiln_model::Gpt;
 use kiln_monitor::{
     CircuitBreaker, DetectorSet, Event, EventKind, Mfu, MultiSink, StepMetrics, Watchdog,
@@ -95,6 +95,15 @@ pub struct TrainSummary {
     pub last_metrics: Option<StepMetrics>,
     /// Where the outputs went.
     pub outputs: Outputs,
+    /// What the perplexity filter kept and dropped of each corpus (when it ran).
+    pub quality: Vec<(String, QualityReport)>,
+    /// Samples trained on from each training source since step 0, all data-parallel ranks
+    /// (the realised mixture).
+    pub source_samples: Vec<(String, u64)>,
+    /// The drift monitor's divergence after the last step, and its threshold.
+    pub drift: Option<(f64, f64)>,
+    /// Steps of this run at which the drift monitor's alert was raised.
+    pub drift_alerts: u64,
 }
 
 /// One rank of a training run: the model, the data-parallel engine, the loss scaler, the
@@ -122,6 +131,10 @@ pub struct Trainer<M: TrainModel = Gpt> {
     schedule: Box<dyn LrSchedule>,
     loader: DataLoader,
     loader_cfg: LoaderConfig,
+    source_names: Vec<String>,
+    quality: Vec<(String, QualityReport)>,
+    drift: Option<DriftMonitor>,
+    drift_alerts: u64,
     val_sources: Vec<TokenSource>,
     ckpt: Option<Checkpointer>,
     sinks: MultiSink,
@@ -176,6 +189,11 @@ impl<M: TrainModel> Trainer<M> {
     /// The data loader.
     pub fn loader(&self) -> &DataLoader {
         &self.loader
+    }
+
+    /// The drift monitor, when `RunConfig.data.drift.enabled`.
+    pub fn drift_monitor(&self) -> Option<&DriftMonitor> {
+        self.drift.as_ref()
     }
 
     /// The circuit breaker, when monitoring is on.
@@ -253,6 +271,21 @@ impl<M: TrainModel> Trainer<M> {
             skipped_steps: self.progress.skipped_steps,
             last_metrics: self.last_metrics,
             outputs: self.outputs,
+            quality: self.quality,
+            source_samples: self
+                .source_names
+                .iter()
+                .cloned()
+                .zip(
+                    self.progress
+                        .source_samples
+                        .iter()
+                        .copied()
+                        .chain(std::iter::repeat(0)),
+                )
+                .collect(),
+            drift: self.drift.as_ref().map(|m| (m.kl(), m.threshold())),
+            drift_alerts: self.drift_alerts,
         })
     }
 }

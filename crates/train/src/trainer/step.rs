@@ -1,7 +1,7 @@
 //! One training step: batch, backward, judgement by the detectors and the breaker, update or
 //! not, and the step's record.
 
-use crate::data::{encode_sample_id, micro_batches};
+use crate::data::{decode_sample_id, encode_sample_id, micro_batches};
 use crate::error::Result;
 use crate::model::TrainModel;
 use kiln_comm::{CommExt, Communicator};
@@ -98,12 +98,58 @@ impl<M: TrainModel> Trainer<M> {
         let step = self.progress.step + 1;
         let total = self.cfg.train.steps;
         let t0 = Instant::now();
+        // the mixture schedule: this step's weights (a no-op when they are in effect already)
+        let mut events = Vec::new();
+        if self.cfg.data.mixture.apply(&mut self.loader, step)? {
+            events.push(Event::new(
+                EventKind::Info,
+                step,
+                format!(
+                    "mixture weights from step {step}: {:?}",
+                    self.loader.weights()
+                ),
+            ));
+        }
         let batch = self.loader.next_batch()?;
         let data_wait = t0.elapsed().as_secs_f64();
-        let ids = if self.breaker.is_some() {
-            self.global_sample_ids(&batch)?
-        } else {
-            Vec::new()
+        let ids = self.global_sample_ids(&batch)?;
+        if self.progress.source_samples.len() < self.source_names.len() {
+            self.progress
+                .source_samples
+                .resize(self.source_names.len(), 0);
+        }
+        for &id in &ids {
+            if let Some(c) = self
+                .progress
+                .source_samples
+                .get_mut(decode_sample_id(id).source as usize)
+            {
+                *c += 1;
+            }
+        }
+        let drift = match self.drift.as_mut() {
+            Some(monitor) => {
+                let mut tokens = vec![0u32; batch.inputs.len() * self.dp.world_size()];
+                self.dp.all_gather(&batch.inputs, &mut tokens)?;
+                let was = monitor.alerting();
+                let r = monitor.observe(&tokens)?;
+                if r.alert && !was {
+                    self.drift_alerts += 1;
+                    events.push(Event::new(
+                        EventKind::Alert,
+                        step,
+                        format!(
+                            "data drift: KL of the last {} batches from the reference is {:.4} \
+                             nats, above {:.4}",
+                            monitor.window_len(),
+                            r.kl,
+                            monitor.threshold()
+                        ),
+                    ));
+                }
+                Some(r.kl)
+            }
+            None => None,
         };
         let micro = micro_batches(&batch, self.cfg.train.accumulation, self.engine.device())?;
         let lr_factor = self.breaker.as_ref().map_or(1.0, |b| b.lr_factor(step));
@@ -200,9 +246,22 @@ impl<M: TrainModel> Trainer<M> {
         m.samples_seen = Some(self.progress.samples_seen);
         self.losses.push((step, report.loss));
 
-        let (action, events) = match decision {
-            Some(d) => (d.action, d.events),
-            None => (Action::Continue, Vec::new()),
+        if let Some(kl) = drift {
+            m.extra.insert("drift_kl".into(), kl);
+        }
+        let seen: u64 = self.progress.source_samples.iter().sum();
+        if self.source_names.len() > 1 && seen > 0 {
+            for (name, &n) in self.source_names.iter().zip(&self.progress.source_samples) {
+                m.extra
+                    .insert(format!("mix/{name}"), n as f64 / seen as f64);
+            }
+        }
+        let action = match decision {
+            Some(d) => {
+                events.extend(d.events);
+                d.action
+            }
+            None => Action::Continue,
         };
         match action {
             Action::Halt(reason) => {
@@ -229,7 +288,6 @@ impl<M: TrainModel> Trainer<M> {
                 self.val_losses.push((step, v));
             }
         }
-        let mut events = events;
         if let Some(c) = &self.ckpt {
             let due = self.cfg.checkpoint.enabled()
                 && (c.should_save(&*self.world, step)?
