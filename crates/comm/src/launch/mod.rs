@@ -1,8 +1,11 @@
 //! Starting a rank from what the launcher says: torchrun-style variables, Open MPI's mpirun,
 //! PMI and Slurm's srun ([`LaunchEnv`]), the communicator of the backend the run asks for
 //! ([`init_from_env`]), a TCP rendezvous store on `MASTER_ADDR:MASTER_PORT`
-//! ([`TcpStore`]), and kiln's own launcher for the processes of one node ([`LocalLaunch`],
-//! torchrun's `--nproc-per-node`; the `launch` example is its command line).
+//! ([`TcpStore`]), kiln's own launcher for the processes of one node ([`LocalLaunch`],
+//! torchrun's `--nproc-per-node`; the `launch` example is its command line), and elastic
+//! restarts after a crash ([`Supervisor`], torchrun's `--max-restarts`; the `supervise`
+//! example is its command line) with the progress-file watcher it times recoveries with
+//! ([`ProgressWatcher`]).
 //!
 //! ```
 //! use kiln_comm::launch::{init_from_env, Backend, Launcher};
@@ -15,14 +18,22 @@
 //! ```
 
 mod env;
+mod events;
 mod local;
 mod nodelist;
+mod progress;
 mod store;
+mod supervise;
 
 pub use env::{LaunchEnv, Launcher};
+pub use events::{ChildExit, SuperviseEvent};
 pub use local::{LaunchOutcome, LocalLaunch};
 pub use nodelist::expand_nodelist;
+pub use progress::{ProgressLine, ProgressWatcher};
 pub use store::TcpStore;
+pub use supervise::{
+    Attempt, Decision, SuperviseEnd, SuperviseOutcome, Supervisor, SupervisorConfig,
+};
 
 use crate::error::{CommError, Result};
 use crate::{Communicator, ThreadComm, ThreadCommConfig};

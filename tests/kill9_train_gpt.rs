@@ -1,0 +1,468 @@
+//! `kill -9` of the real `train_gpt` process, then `--resume` in the same output folder: the
+//! run ends bitwise as the uninterrupted one, wherever the kill lands.
+//!
+//! The job: the `tiny` model as dp=2 x tp=2 thread ranks with ZeRO-1 and fp16 compute (so the
+//! dynamic loss scaler's state, skipped steps included, must survive), a checkpoint every
+//! `EVERY` steps, all kept. One uninterrupted run is the reference; then for each kill point
+//! the job is started, SIGKILLed when an outside observer (polling files every millisecond,
+//! no hook in the trainer) sees the point, and relaunched with `--resume`:
+//! - (a) inside a step between checkpoints: the console line of step `m` on stderr;
+//! - (b) inside a synchronous checkpoint write: as soon as `step-XXXXXXXX.tmp` appears;
+//! - (c) inside an asynchronous save: the same, with `--checkpoint.async_save true`;
+//! - (d) right after a commit: as soon as the committed `step-XXXXXXXX` folder appears.
+//!
+//! After each kill the test prints where it really landed (the `.tmp` folder still there and
+//! the step not committed, or not), checks that the relaunch resumed from the newest committed
+//! checkpoint at the moment of the kill (never from the `.tmp`), that every committed
+//! checkpoint of the run equals the reference's file for file, byte for byte, and that every
+//! step record in `metrics.jsonl` has the reference's loss bit for bit. The synchronous-write
+//! kill must land inside the write in most of its tries.
+//!
+//! Needs `cargo build --release --example train_gpt` (`cargo test --workspace --release`
+//! builds it); `KILN_TRAIN_GPT` names another binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Steps of every run.
+const STEPS: u64 = 12;
+/// A checkpoint every this many steps.
+const EVERY: u64 = 3;
+/// Tries of the synchronous-write kill, and how many must land inside the write.
+const SYNC_TRIES: usize = 3;
+const SYNC_MUST_LAND: usize = 2;
+/// A run that takes longer than this has hung.
+const RUN_DEADLINE: Duration = Duration::from_secs(180);
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `target/<profile>/examples/train_gpt`, beside this test's `deps/` folder (or `KILN_TRAIN_GPT`).
+fn train_gpt() -> PathBuf {
+    if let Some(p) = std::env::var_os("KILN_TRAIN_GPT") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().unwrap();
+    let p = exe
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .join("examples/train_gpt");
+    assert!(
+        p.is_file(),
+        "{} is missing: build it first with `cargo build --release --example train_gpt`",
+        p.display()
+    );
+    p
+}
+
+fn work_dir() -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kiln-kill9-train-gpt");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The job's flags: the main job (its corpora, quality filter, mixture schedule and drift
+/// monitor) with the `tiny` model, context 32, dp=2 x tp=2, ZeRO-1, fp16 with a loss scale that
+/// starts too high and grows every 3 clean steps (so steps are skipped and the scale moves
+/// both ways), a checkpoint every `EVERY` steps (all kept), a console line per step on
+/// stderr, no evaluation, TensorBoard or plot.
+fn args(out: &Path, async_save: bool) -> Vec<String> {
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kiln-train-gpt-cache");
+    let mut a: Vec<String> = [
+        "--preset",
+        "tiny",
+        "--ctx",
+        "32",
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--zero",
+        "1",
+        "--precision",
+        "f16",
+        "--warmup",
+        "3",
+        "--precision.scaler.init_scale",
+        "1048576",
+        "--precision.scaler.growth_interval",
+        "3",
+        "--checkpoint.keep_last",
+        "0",
+        "--eval_every",
+        "0",
+        "--eval.at_end",
+        "false",
+        "--metrics.console",
+        "true",
+        "--metrics.console_every",
+        "1",
+        "--metrics.tensorboard",
+        "false",
+        "--metrics.png",
+        "false",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend([
+        "--ckpt_every".into(),
+        EVERY.to_string(),
+        "--steps".into(),
+        STEPS.to_string(),
+        "--checkpoint.async_save".into(),
+        async_save.to_string(),
+        "--out".into(),
+        out.display().to_string(),
+        "--cache_dir".into(),
+        cache.display().to_string(),
+    ]);
+    a
+}
+
+/// Starts the job with stdout and stderr in `<out>.<tag>.stdout` / `.stderr`.
+fn start(out: &Path, async_save: bool, extra: &[&str], tag: &str) -> (Child, PathBuf, PathBuf) {
+    let so = out.with_extension(format!("{tag}.stdout"));
+    let se = out.with_extension(format!("{tag}.stderr"));
+    let child = Command::new(train_gpt())
+        .current_dir(repo())
+        .args(args(out, async_save))
+        .args(extra)
+        .env("RUST_BACKTRACE", "0")
+        .stdout(Stdio::from(std::fs::File::create(&so).unwrap()))
+        .stderr(Stdio::from(std::fs::File::create(&se).unwrap()))
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", train_gpt().display()));
+    (child, so, se)
+}
+
+fn logs(so: &Path, se: &Path) -> String {
+    format!(
+        "--- stdout\n{}\n--- stderr\n{}",
+        std::fs::read_to_string(so).unwrap_or_default(),
+        std::fs::read_to_string(se).unwrap_or_default()
+    )
+}
+
+/// Runs the job to its end; its stdout.
+fn run_to_end(out: &Path, async_save: bool, extra: &[&str], tag: &str) -> String {
+    let (mut child, so, se) = start(out, async_save, extra, tag);
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > RUN_DEADLINE {
+            let _ = child.kill();
+            panic!("{tag} run hung: {}", logs(&so, &se));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(status.success(), "{tag} run: {status}\n{}", logs(&so, &se));
+    std::fs::read_to_string(&so).unwrap()
+}
+
+fn step_dir(out: &Path, step: u64) -> PathBuf {
+    out.join(format!("checkpoints/step-{step:08}"))
+}
+
+fn tmp_dir(out: &Path, step: u64) -> PathBuf {
+    out.join(format!("checkpoints/step-{step:08}.tmp"))
+}
+
+/// Committed and temporary checkpoint steps in the run's checkpoint folder.
+fn checkpoint_steps(out: &Path) -> (Vec<u64>, Vec<u64>) {
+    let (mut committed, mut tmp) = (Vec::new(), Vec::new());
+    for e in std::fs::read_dir(out.join("checkpoints"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("step-") else {
+            continue;
+        };
+        match rest.strip_suffix(".tmp") {
+            Some(n) => tmp.extend(n.parse::<u64>().ok()),
+            None => committed.extend(rest.parse::<u64>().ok()),
+        }
+    }
+    committed.sort();
+    tmp.sort();
+    (committed, tmp)
+}
+
+/// The last `step N |` console line on stderr.
+fn last_step_line(stderr: &Path) -> Option<u64> {
+    std::fs::read_to_string(stderr)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix("step ")?.split(' ').next()?.parse().ok())
+        .max()
+}
+
+/// Every step record of `metrics.jsonl` as (step, loss bits), in file order.
+fn loss_records(out: &Path) -> Vec<(u64, u64)> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            if v.get("event").is_some() {
+                return None;
+            }
+            Some((v["step"].as_u64()?, v["loss"].as_f64()?.to_bits()))
+        })
+        .collect()
+}
+
+/// Every file of every committed checkpoint of `run` equals the reference's, byte for byte.
+fn assert_checkpoints_equal(reference: &Path, run: &Path, what: &str) -> usize {
+    let (committed, _) = checkpoint_steps(run);
+    assert!(committed.contains(&STEPS), "{what}: no final checkpoint");
+    let mut files = 0;
+    for step in committed {
+        let (da, db) = (step_dir(reference, step), step_dir(run, step));
+        let mut names: Vec<_> = std::fs::read_dir(&da)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        let mut got: Vec<_> = std::fs::read_dir(&db)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        got.sort();
+        assert_eq!(names, got, "{what}: the files of checkpoint {step}");
+        assert!(names.len() >= 5, "manifest and 4 rank files");
+        for n in names {
+            let (x, y) = (
+                std::fs::read(da.join(&n)).unwrap(),
+                std::fs::read(db.join(&n)).unwrap(),
+            );
+            assert!(
+                x == y,
+                "{what}: checkpoint {step} file {} differs",
+                n.to_string_lossy()
+            );
+            files += 1;
+        }
+    }
+    files
+}
+
+/// Where a kill landed, seen from the files after the process was gone.
+#[derive(Debug)]
+struct Landing {
+    /// Committed checkpoints.
+    committed: Vec<u64>,
+    /// `.tmp` folders left behind.
+    tmp: Vec<u64>,
+    /// The last step the console reported.
+    last_step: Option<u64>,
+    /// Milliseconds from seeing the point to the process's death.
+    kill_ms: f64,
+}
+
+/// Starts the job, polls `point(out, stderr)` every millisecond, SIGKILLs the process when it
+/// holds and reports where the kill landed; `None` if the run ended first.
+fn kill_at(
+    out: &Path,
+    async_save: bool,
+    tag: &str,
+    point: &dyn Fn(&Path, &Path) -> bool,
+) -> Option<Landing> {
+    let (mut child, so, se) = start(out, async_save, &[], tag);
+    let t = Instant::now();
+    loop {
+        if point(out, &se) {
+            let seen = Instant::now();
+            child.kill().unwrap();
+            child.wait().unwrap();
+            let (committed, tmp) = checkpoint_steps(out);
+            return Some(Landing {
+                committed,
+                tmp,
+                last_step: last_step_line(&se),
+                kill_ms: seen.elapsed().as_secs_f64() * 1e3,
+            });
+        }
+        if let Some(s) = child.try_wait().unwrap() {
+            println!("{tag}: the run ended ({s}) before the kill point");
+            return None;
+        }
+        assert!(
+            t.elapsed() < RUN_DEADLINE,
+            "{tag}: never reached its kill point: {}",
+            logs(&so, &se)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Relaunches with `--resume` and checks the end against the reference; the resume point.
+fn resume_and_check(reference: &Path, out: &Path, async_save: bool, landing: &Landing, tag: &str) {
+    let stdout = run_to_end(out, async_save, &["--resume"], &format!("{tag}.resume"));
+    // no committed checkpoint yet: the relaunch starts from step 0 (and prints no resume line)
+    let from: u64 = match stdout.split("resumed from the step-").nth(1) {
+        Some(r) => r
+            .split(' ')
+            .next()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("{tag}: bad resume line in\n{stdout}")),
+        None => 0,
+    };
+    assert_eq!(
+        from,
+        landing.committed.last().copied().unwrap_or(0),
+        "{tag}: resumes from the newest committed checkpoint at the kill ({landing:?})"
+    );
+    let files = assert_checkpoints_equal(reference, out, tag);
+    let want: BTreeMap<u64, u64> = loss_records(reference).into_iter().collect();
+    let got = loss_records(out);
+    for &(step, bits) in &got {
+        assert_eq!(
+            Some(&bits),
+            want.get(&step),
+            "{tag}: loss of step {step} ({} vs {:?})",
+            f64::from_bits(bits),
+            want.get(&step).map(|b| f64::from_bits(*b))
+        );
+    }
+    // the relaunch appends one record per step after the resume point; records of those
+    // steps before them were logged by the killed run (an async save's "staged" event flushes
+    // the log before the commit) and have the same losses, checked above
+    let steps: Vec<u64> = got.iter().map(|r| r.0).collect();
+    let n = (STEPS - from) as usize;
+    assert!(steps.len() >= n, "{tag}: records {steps:?}");
+    assert_eq!(
+        steps[steps.len() - n..],
+        (from + 1..=STEPS).collect::<Vec<_>>(),
+        "{tag}: the resumed run records every step after the resume point once"
+    );
+    let relogged: Vec<u64> = steps[..steps.len() - n]
+        .iter()
+        .copied()
+        .filter(|&s| s > from)
+        .collect();
+    println!(
+        "{tag}: resumed from step {from}; {n} losses after it and {files} checkpoint files \
+         (steps {:?}) bitwise equal to the uninterrupted run{}",
+        checkpoint_steps(out).0,
+        if relogged.is_empty() {
+            String::new()
+        } else {
+            format!(" (the killed run had logged steps {relogged:?} already, with the same losses)")
+        }
+    );
+}
+
+#[test]
+fn kill_9_anywhere_then_resume_ends_bitwise_equal() {
+    let t0 = Instant::now();
+    let dir = work_dir();
+    let reference = dir.join("reference");
+    let stdout = run_to_end(&reference, false, &[], "reference");
+    assert!(stdout.contains("dp=2 x tp=2"), "{stdout}");
+    let records = loss_records(&reference);
+    assert_eq!(records.len() as u64, STEPS, "one record per step");
+    let skipped = stdout
+        .split("skipped steps: ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or("?")
+        .to_string();
+    println!(
+        "reference: {STEPS} steps in {:.1?}, checkpoints {:?}, {skipped} steps skipped by the \
+         fp16 loss scaler",
+        t0.elapsed(),
+        checkpoint_steps(&reference).0
+    );
+
+    let mut runs = 1;
+    let mut points = 0;
+    let check = |tag: &str, landing: &Landing, inside: bool| {
+        println!(
+            "{tag}: killed {:.1} ms after the point; committed {:?}, .tmp left {:?}, last step \
+             line {:?}: {}",
+            landing.kill_ms,
+            landing.committed,
+            landing.tmp,
+            landing.last_step,
+            if inside {
+                "landed at the point"
+            } else {
+                "missed the point"
+            }
+        );
+    };
+
+    // (a) inside a step, between checkpoints: after the console shows step m
+    let m = EVERY + EVERY / 2;
+    let out = dir.join("a-step");
+    let at_step = move |_: &Path, se: &Path| last_step_line(se).is_some_and(|s| s >= m);
+    let l = kill_at(&out, false, "(a) step", &at_step).expect("the kill point was reached");
+    let inside = l.last_step.is_some_and(|s| s % EVERY != 0) && l.tmp.is_empty();
+    check("(a) after step line", &l, inside);
+    resume_and_check(&reference, &out, false, &l, "(a) step");
+    runs += 2;
+    points += 1;
+
+    // (b) inside a synchronous checkpoint write: the .tmp folder appeared
+    let mut landed = 0;
+    let mut tries = 0;
+    for k in 0..SYNC_TRIES + 2 {
+        if tries >= SYNC_TRIES && landed >= SYNC_MUST_LAND {
+            break;
+        }
+        let step = EVERY * (1 + (k as u64 % (STEPS / EVERY - 1)));
+        let out = dir.join(format!("b-sync-{k}"));
+        let tag = format!("(b) sync write of step {step}, try {}", k + 1);
+        let point = move |o: &Path, _: &Path| tmp_dir(o, step).exists();
+        let l = kill_at(&out, false, &tag, &point).expect("the kill point was reached");
+        let inside = l.tmp.contains(&step) && !l.committed.contains(&step);
+        landed += usize::from(inside);
+        tries += 1;
+        check(&tag, &l, inside);
+        resume_and_check(&reference, &out, false, &l, &tag);
+        runs += 2;
+    }
+    points += 1;
+    println!("(b): {landed} of {tries} tries landed inside the synchronous write");
+    assert!(
+        landed >= SYNC_MUST_LAND,
+        "only {landed} of {tries} kills landed inside the synchronous checkpoint write"
+    );
+
+    // (c) inside an asynchronous save: the background writer's .tmp folder appeared
+    let step = 2 * EVERY;
+    let out = dir.join("c-async");
+    let point = move |o: &Path, _: &Path| tmp_dir(o, step).exists();
+    let l = kill_at(&out, true, "(c) async", &point).expect("the kill point was reached");
+    let inside = l.tmp.contains(&step) && !l.committed.contains(&step);
+    check(&format!("(c) async save of step {step}"), &l, inside);
+    resume_and_check(&reference, &out, true, &l, "(c) async");
+    runs += 2;
+    points += 1;
+
+    // (d) right after a commit: the committed folder appeared
+    let out = dir.join("d-commit");
+    let point = move |o: &Path, _: &Path| step_dir(o, step).exists();
+    let l = kill_at(&out, false, "(d) commit", &point).expect("the kill point was reached");
+    let inside = l.committed.last() == Some(&step);
+    check(&format!("(d) after the commit of step {step}"), &l, inside);
+    resume_and_check(&reference, &out, false, &l, "(d) commit");
+    runs += 2;
+    points += 1;
+
+    println!(
+        "summary: {points} kill points, {runs} runs of train_gpt (sync write tried {tries} \
+         times, {landed} inside), all bitwise equal to the uninterrupted run, in {:.1?}",
+        t0.elapsed()
+    );
+}
