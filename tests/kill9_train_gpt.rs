@@ -22,9 +22,15 @@
 //! builds it); `KILN_TRAIN_GPT` names another binary.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
+use common::process::{
+    assert_checkpoint_bytes_equal, checkpoint_dir, checkpoint_files, command, loss_bits, train_gpt,
+    work_dir, TrainJob,
+};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 /// Steps of every run.
@@ -37,104 +43,22 @@ const SYNC_MUST_LAND: usize = 2;
 /// A run that takes longer than this has hung.
 const RUN_DEADLINE: Duration = Duration::from_secs(180);
 
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// `target/<profile>/examples/train_gpt`, beside this test's `deps/` folder (or `KILN_TRAIN_GPT`).
-fn train_gpt() -> PathBuf {
-    if let Some(p) = std::env::var_os("KILN_TRAIN_GPT") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples/train_gpt");
-    assert!(
-        p.is_file(),
-        "{} is missing: build it first with `cargo build --release --example train_gpt`",
-        p.display()
-    );
-    p
-}
-
-fn work_dir() -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kiln-kill9-train-gpt");
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// The job's flags: the main job (its corpora, quality filter, mixture schedule and drift
-/// monitor) with the `tiny` model, context 32, dp=2 x tp=2, ZeRO-1, fp16 with a loss scale that
-/// starts too high and grows every 3 clean steps (so steps are skipped and the scale moves
-/// both ways), a checkpoint every `EVERY` steps (all kept), a console line per step on
-/// stderr, no evaluation, TensorBoard or plot.
-fn args(out: &Path, async_save: bool) -> Vec<String> {
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kiln-train-gpt-cache");
-    let mut a: Vec<String> = [
-        "--preset",
-        "tiny",
-        "--ctx",
-        "32",
-        "--dp",
-        "2",
-        "--tp",
-        "2",
-        "--zero",
-        "1",
-        "--precision",
-        "f16",
-        "--warmup",
-        "3",
-        "--precision.scaler.init_scale",
-        "1048576",
-        "--precision.scaler.growth_interval",
-        "3",
-        "--checkpoint.keep_last",
-        "0",
-        "--eval_every",
-        "0",
-        "--eval.at_end",
-        "false",
-        "--metrics.console",
-        "true",
-        "--metrics.console_every",
-        "1",
-        "--metrics.tensorboard",
-        "false",
-        "--metrics.png",
-        "false",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    a.extend([
-        "--ckpt_every".into(),
-        EVERY.to_string(),
-        "--steps".into(),
-        STEPS.to_string(),
-        "--checkpoint.async_save".into(),
-        async_save.to_string(),
-        "--out".into(),
-        out.display().to_string(),
-        "--cache_dir".into(),
-        cache.display().to_string(),
-    ]);
-    a
-}
+/// The job: `tiny` as dp=2 x tp=2, ZeRO-1, fp16 with a moving loss scale, a checkpoint every
+/// `EVERY` steps (all kept) and a console line per step on stderr.
+const JOB: TrainJob = TrainJob {
+    steps: STEPS,
+    ckpt_every: EVERY,
+    warmup: 3,
+    console: true,
+};
 
 /// Starts the job with stdout and stderr in `<out>.<tag>.stdout` / `.stderr`.
 fn start(out: &Path, async_save: bool, extra: &[&str], tag: &str) -> (Child, PathBuf, PathBuf) {
     let so = out.with_extension(format!("{tag}.stdout"));
     let se = out.with_extension(format!("{tag}.stderr"));
-    let child = Command::new(train_gpt())
-        .current_dir(repo())
-        .args(args(out, async_save))
+    let child = command(&train_gpt())
+        .args(JOB.args(out, async_save))
         .args(extra)
-        .env("RUST_BACKTRACE", "0")
         .stdout(Stdio::from(std::fs::File::create(&so).unwrap()))
         .stderr(Stdio::from(std::fs::File::create(&se).unwrap()))
         .spawn()
@@ -166,10 +90,6 @@ fn run_to_end(out: &Path, async_save: bool, extra: &[&str], tag: &str) -> String
     };
     assert!(status.success(), "{tag} run: {status}\n{}", logs(&so, &se));
     std::fs::read_to_string(&so).unwrap()
-}
-
-fn step_dir(out: &Path, step: u64) -> PathBuf {
-    out.join(format!("checkpoints/step-{step:08}"))
 }
 
 fn tmp_dir(out: &Path, step: u64) -> PathBuf {
@@ -207,51 +127,20 @@ fn last_step_line(stderr: &Path) -> Option<u64> {
         .max()
 }
 
-/// Every step record of `metrics.jsonl` as (step, loss bits), in file order.
-fn loss_records(out: &Path) -> Vec<(u64, u64)> {
-    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    text.lines()
-        .filter_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).ok()?;
-            if v.get("event").is_some() {
-                return None;
-            }
-            Some((v["step"].as_u64()?, v["loss"].as_f64()?.to_bits()))
-        })
-        .collect()
-}
-
 /// Every file of every committed checkpoint of `run` equals the reference's, byte for byte.
 fn assert_checkpoints_equal(reference: &Path, run: &Path, what: &str) -> usize {
     let (committed, _) = checkpoint_steps(run);
     assert!(committed.contains(&STEPS), "{what}: no final checkpoint");
     let mut files = 0;
     for step in committed {
-        let (da, db) = (step_dir(reference, step), step_dir(run, step));
-        let mut names: Vec<_> = std::fs::read_dir(&da)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        names.sort();
-        let mut got: Vec<_> = std::fs::read_dir(&db)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        got.sort();
-        assert_eq!(names, got, "{what}: the files of checkpoint {step}");
+        let names = checkpoint_files(reference, step);
+        assert_eq!(
+            names,
+            checkpoint_files(run, step),
+            "{what}: the files of checkpoint {step}"
+        );
         assert!(names.len() >= 5, "manifest and 4 rank files");
-        for n in names {
-            let (x, y) = (
-                std::fs::read(da.join(&n)).unwrap(),
-                std::fs::read(db.join(&n)).unwrap(),
-            );
-            assert!(
-                x == y,
-                "{what}: checkpoint {step} file {} differs",
-                n.to_string_lossy()
-            );
-            files += 1;
-        }
+        files += assert_checkpoint_bytes_equal(reference, run, step, what);
     }
     files
 }
@@ -323,8 +212,8 @@ fn resume_and_check(reference: &Path, out: &Path, async_save: bool, landing: &La
         "{tag}: resumes from the newest committed checkpoint at the kill ({landing:?})"
     );
     let files = assert_checkpoints_equal(reference, out, tag);
-    let want: BTreeMap<u64, u64> = loss_records(reference).into_iter().collect();
-    let got = loss_records(out);
+    let want: BTreeMap<u64, u64> = loss_bits(reference).into_iter().collect();
+    let got = loss_bits(out);
     for &(step, bits) in &got {
         assert_eq!(
             Some(&bits),
@@ -365,11 +254,11 @@ fn resume_and_check(reference: &Path, out: &Path, async_save: bool, landing: &La
 #[test]
 fn kill_9_anywhere_then_resume_ends_bitwise_equal() {
     let t0 = Instant::now();
-    let dir = work_dir();
+    let dir = work_dir("kiln-kill9-train-gpt");
     let reference = dir.join("reference");
     let stdout = run_to_end(&reference, false, &[], "reference");
     assert!(stdout.contains("dp=2 x tp=2"), "{stdout}");
-    let records = loss_records(&reference);
+    let records = loss_bits(&reference);
     assert_eq!(records.len() as u64, STEPS, "one record per step");
     let skipped = stdout
         .split("skipped steps: ")
@@ -452,7 +341,7 @@ fn kill_9_anywhere_then_resume_ends_bitwise_equal() {
 
     // (d) right after a commit: the committed folder appeared
     let out = dir.join("d-commit");
-    let point = move |o: &Path, _: &Path| step_dir(o, step).exists();
+    let point = move |o: &Path, _: &Path| checkpoint_dir(o, step).exists();
     let l = kill_at(&out, false, "(d) commit", &point).expect("the kill point was reached");
     let inside = l.committed.last() == Some(&step);
     check(&format!("(d) after the commit of step {step}"), &l, inside);

@@ -18,6 +18,12 @@
 //! --workspace --release` builds both); `KILN_TRAIN_GPT` and `KILN_SUPERVISE` name others.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod common;
+
+use common::process::{
+    self, assert_checkpoint_bytes_equal, checkpoint_dir, command, example, loss_bits, losses,
+    train_gpt, TrainJob,
+};
 use kiln_testkit::{run_with_deadline, ProcessRun};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -31,67 +37,17 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const STEPS: u64 = 20;
 const EVERY: u64 = 4;
 
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// An example binary beside this test's `deps/` folder, or the one `var` names.
-fn example(name: &str, var: &str) -> PathBuf {
-    if let Some(p) = std::env::var_os(var) {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .and_then(Path::parent)
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        p.is_file(),
-        "{} is missing: build it first with `cargo build --release --example {name}`",
-        p.display()
-    );
-    p
-}
+/// The job: `tiny` as dp=2 x tp=2, ZeRO-1, fp16 with a moving loss scale, a checkpoint every
+/// `EVERY` steps (all kept), synchronous saves and no console.
+const JOB: TrainJob = TrainJob {
+    steps: STEPS,
+    ckpt_every: EVERY,
+    warmup: 4,
+    console: false,
+};
 
 fn work_dir(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("kiln-supervisor")
-        .join(name);
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-/// The main job (its data pipeline) with `tiny` as dp=2 x tp=2, ZeRO-1, fp16 with a moving loss
-/// scale, a checkpoint every `EVERY` steps (all kept), no evaluation and no console,
-/// TensorBoard or plot.
-fn train_args(out: &Path) -> Vec<String> {
-    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kiln-train-gpt-cache");
-    let flags = [
-        "--preset tiny --ctx 32 --dp 2 --tp 2 --zero 1 --precision f16",
-        "--warmup 4 --precision.scaler.init_scale 1048576 --precision.scaler.growth_interval 3",
-        "--checkpoint.keep_last 0 --checkpoint.async_save false --eval_every 0",
-        "--eval.at_end false --metrics.console false --metrics.tensorboard false",
-        "--metrics.png false",
-    ];
-    let mut a: Vec<String> = flags
-        .iter()
-        .flat_map(|f| f.split_whitespace())
-        .map(String::from)
-        .collect();
-    a.extend([
-        "--ckpt_every".into(),
-        EVERY.to_string(),
-        "--steps".into(),
-        STEPS.to_string(),
-        "--out".into(),
-        out.display().to_string(),
-        "--cache_dir".into(),
-        cache.display().to_string(),
-    ]);
-    a
+    process::work_dir(Path::new("kiln-supervisor").join(name))
 }
 
 /// The uninterrupted run, once for the tests that compare with it.
@@ -99,10 +55,8 @@ fn reference() -> &'static Path {
     static REFERENCE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     REFERENCE.get_or_init(|| {
         let out = work_dir("reference").join("run");
-        let mut cmd = Command::new(example("train_gpt", "KILN_TRAIN_GPT"));
-        cmd.current_dir(repo())
-            .args(train_args(&out))
-            .env("RUST_BACKTRACE", "0");
+        let mut cmd = command(&train_gpt());
+        cmd.args(JOB.args(&out, false));
         let run = run_with_deadline(cmd, Duration::from_secs(300));
         assert!(run.success(), "reference run: {}", run.output());
         println!("reference: {STEPS} steps in {:.1?}", run.elapsed);
@@ -112,14 +66,12 @@ fn reference() -> &'static Path {
 
 /// `supervise <flags> -- train_gpt <train args> <extra>`, with its events in `events`.
 fn supervise(flags: &[&str], out: &Path, extra: &[&str]) -> Command {
-    let mut cmd = Command::new(example("supervise", "KILN_SUPERVISE"));
-    cmd.current_dir(repo())
-        .args(flags)
+    let mut cmd = command(&example("supervise", "KILN_SUPERVISE"));
+    cmd.args(flags)
         .arg("--")
-        .arg(example("train_gpt", "KILN_TRAIN_GPT"))
-        .args(train_args(out))
-        .args(extra)
-        .env("RUST_BACKTRACE", "0");
+        .arg(train_gpt())
+        .args(JOB.args(out, false))
+        .args(extra);
     cmd
 }
 
@@ -174,45 +126,15 @@ fn run_killing(
 }
 
 fn committed(out: &Path, step: u64) -> bool {
-    out.join(format!("checkpoints/step-{step:08}")).is_dir()
-}
-
-/// Every step record of `metrics.jsonl`: (step, loss), in file order.
-fn losses(out: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let v: Value = serde_json::from_str(l).ok()?;
-            if v.get("event").is_some() {
-                return None;
-            }
-            Some((v["step"].as_u64()?, v["loss"].as_f64()?))
-        })
-        .collect()
+    checkpoint_dir(out, step).is_dir()
 }
 
 /// Every committed checkpoint of `run` equals the reference's, file for file.
 fn assert_same_checkpoints(reference: &Path, run: &Path) -> usize {
-    let mut files = 0;
-    for step in (EVERY..=STEPS).step_by(EVERY as usize) {
-        let d = format!("checkpoints/step-{step:08}");
-        let (da, db) = (reference.join(&d), run.join(&d));
-        let mut names: Vec<_> = std::fs::read_dir(&da)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        names.sort();
-        for n in names {
-            let (x, y) = (
-                std::fs::read(da.join(&n)).unwrap(),
-                std::fs::read(db.join(&n)).unwrap_or_default(),
-            );
-            assert!(x == y, "checkpoint {step}: {} differs", n.to_string_lossy());
-            files += 1;
-        }
-    }
-    files
+    (EVERY..=STEPS)
+        .step_by(EVERY as usize)
+        .map(|step| assert_checkpoint_bytes_equal(reference, run, step, "supervised run"))
+        .sum()
 }
 
 /// The recovery times the supervisor recorded, with the first resumed step of each.
@@ -288,10 +210,7 @@ fn two_kills_two_recoveries_and_the_run_ends_bitwise() {
 
     // bitwise the uninterrupted run
     let files = assert_same_checkpoints(ref_out, &out);
-    let want: BTreeMap<u64, u64> = losses(ref_out)
-        .into_iter()
-        .map(|(s, l)| (s, l.to_bits()))
-        .collect();
+    let want: BTreeMap<u64, u64> = loss_bits(ref_out).into_iter().collect();
     let got = losses(&out);
     for (s, l) in &got {
         assert_eq!(Some(&l.to_bits()), want.get(s), "loss of step {s}");
