@@ -275,6 +275,9 @@ pub struct StepOutput {
     pub loss: Tensor,
     /// Segments whose forward ran twice (checkpointed).
     pub recomputed: usize,
+    /// Seconds of host time in the forward pass (a recomputation counts as backward; on a GPU
+    /// this is launch time unless the device is synchronised).
+    pub forward_s: f64,
 }
 
 struct Saved {
@@ -349,6 +352,7 @@ impl Executor {
                 message: "the model has no segment".into(),
             });
         }
+        let t_forward = std::time::Instant::now();
         let mut saved: Vec<Saved> = Vec::with_capacity(n);
         let mut x = input.clone();
         for i in 0..n {
@@ -381,6 +385,7 @@ impl Executor {
             }
         }
         let loss = x;
+        let forward_s = t_forward.elapsed().as_secs_f64();
         if loss.elem_count() != 1 {
             return Err(MemoryError::Segment {
                 segment: n - 1,
@@ -433,7 +438,11 @@ impl Executor {
                 .release(i, params)
                 .map_err(|source| hook_err("parameter provider", i, source))?;
         }
-        Ok(StepOutput { loss, recomputed })
+        Ok(StepOutput {
+            loss,
+            recomputed,
+            forward_s,
+        })
     }
 }
 

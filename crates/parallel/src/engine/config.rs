@@ -101,6 +101,8 @@ pub struct StepReport {
     pub loss_scale: f32,
     /// Seconds spent in forward and backward (including overlapped communication).
     pub compute_s: f64,
+    /// Of `compute_s`, the seconds in the forward passes (recomputation counts as backward).
+    pub forward_s: f64,
     /// Seconds waiting for communication after the backward finished.
     pub comm_wait_s: f64,
     /// Seconds in unscale, clipping, optimizer and parameter gathering.
@@ -131,6 +133,8 @@ pub struct StepPreview {
     pub scale_event: ScaleEvent,
     /// Seconds spent in forward and backward so far.
     pub compute_s: f64,
+    /// Of `compute_s`, the seconds in the forward passes (recomputation counts as backward).
+    pub forward_s: f64,
     /// Seconds spent waiting for communication after the backward so far.
     pub comm_wait_s: f64,
 }

@@ -571,6 +571,7 @@ impl DataParallel {
         let executor = Executor::new(self.cfg.checkpoint);
         let accum = micro_batches.len();
         let mut loss_sum = 0.0f64;
+        let mut forward_s = 0.0f64;
         let mut comm_wait = Duration::ZERO;
         for (k, (x, y)) in micro_batches.iter().enumerate() {
             let sync = k + 1 == accum;
@@ -606,6 +607,7 @@ impl DataParallel {
                 device: &self.device,
             };
             let out = executor.run(model, x, y, &mut provider, &mut hook, scale as f64)?;
+            forward_s += out.forward_s;
             loss_sum += out
                 .loss
                 .to_dtype(candle_core::DType::F64)?
@@ -653,6 +655,7 @@ impl DataParallel {
             loss_scale: scale,
             scale_event,
             compute_s,
+            forward_s,
             comm_wait_s: comm_wait.as_secs_f64(),
         };
         self.pending = Some((preview, t_opt));
@@ -872,6 +875,7 @@ fn report(p: &StepPreview, clipped: bool, t_opt: Instant) -> StepReport {
         scale_event: p.scale_event,
         loss_scale: p.loss_scale,
         compute_s: p.compute_s,
+        forward_s: p.forward_s,
         comm_wait_s: p.comm_wait_s,
         optim_s: t_opt.elapsed().as_secs_f64(),
         param_norm: None,

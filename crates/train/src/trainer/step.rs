@@ -228,6 +228,7 @@ impl<M: TrainModel> Trainer<M> {
         m.comm_s = Some(report.comm_wait_s);
         m.optimizer_s = Some(report.optim_s);
         m.extra.insert("compute_s".into(), report.compute_s);
+        m.extra.insert("forward_s".into(), report.forward_s);
         m.param_norm = report.param_norm;
         m.update_param_ratio = report.update_ratio;
         m.set_memory();

@@ -223,6 +223,7 @@ impl DataParallel {
         let executor = Executor::new(self.cfg.checkpoint);
         let accum = micro_batches.len();
         let mut loss_sum = 0.0f64;
+        let mut forward_s = 0.0f64;
         let res = self
             .resident
             .as_mut()
@@ -244,6 +245,7 @@ impl DataParallel {
                 device: &self.device,
             };
             let out = executor.run(model, x, y, &mut provider, &mut hook, scale as f64)?;
+            forward_s += out.forward_s;
             loss_sum += out
                 .loss
                 .to_dtype(candle_core::DType::F64)?
@@ -356,6 +358,7 @@ impl DataParallel {
             loss_scale: scale,
             scale_event,
             compute_s,
+            forward_s,
             comm_wait_s,
         };
         self.pending = Some((preview, t_opt));
