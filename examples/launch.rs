@@ -15,19 +15,15 @@
 use kiln_comm::launch::LocalLaunch;
 use std::ffi::OsString;
 
+#[path = "common/command_line.rs"]
+mod command_line;
+
 const USAGE: &str = "usage: launch --nproc-per-node N [--nnodes N --node-rank K] \
                      [--master-addr HOST] [--master-port PORT] -- PROGRAM [ARGS...]";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    let split = args
-        .iter()
-        .position(|a| a == "--")
-        .ok_or_else(|| anyhow::anyhow!("no `--` before the program\n{USAGE}"))?;
-    let (flags, rest) = (&args[..split], &args[split + 1..]);
-    let (program, program_args) = rest
-        .split_first()
-        .ok_or_else(|| anyhow::anyhow!("no program after `--`\n{USAGE}"))?;
+    let (flags, program, program_args) = command_line::split_command(&args, USAGE)?;
     let mut l = LocalLaunch::default();
     let mut it = flags.iter().map(|f| f.to_string_lossy().into_owned());
     while let Some(flag) = it.next() {
@@ -44,7 +40,7 @@ fn main() -> anyhow::Result<()> {
             other => anyhow::bail!("unknown flag {other}\n{USAGE}"),
         }
     }
-    let outcome = l.run(program, program_args)?;
+    let outcome = l.run(&program, &program_args)?;
     match outcome.first_failure {
         None => {
             eprintln!("launch: {} processes exited with 0", outcome.codes.len());

@@ -29,20 +29,16 @@ use kiln_comm::launch::{SuperviseEnd, Supervisor, SupervisorConfig};
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+#[path = "common/command_line.rs"]
+mod command_line;
+
 const USAGE: &str = "usage: supervise [--max-restarts N] [--restart-dp D[,D...]] \
                      [--restart-arg ARG]... [--progress FILE] [--events FILE] -- PROGRAM [ARGS...]";
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    let split = args
-        .iter()
-        .position(|a| a == "--")
-        .ok_or_else(|| anyhow::anyhow!("no `--` before the program\n{USAGE}"))?;
-    let (flags, rest) = (&args[..split], &args[split + 1..]);
-    let (program, program_args) = rest
-        .split_first()
-        .ok_or_else(|| anyhow::anyhow!("no program after `--`\n{USAGE}"))?;
-    let mut cfg = SupervisorConfig::new(program, program_args);
+    let (flags, program, program_args) = command_line::split_command(&args, USAGE)?;
+    let mut cfg = SupervisorConfig::new(&program, &program_args);
     let mut extra: Vec<OsString> = Vec::new();
     let mut it = flags.iter();
     while let Some(flag) = it.next() {
@@ -71,7 +67,7 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if cfg.progress.is_none() {
-        cfg.progress = out_dir(program_args).map(|d| d.join("metrics.jsonl"));
+        cfg.progress = out_dir(&program_args).map(|d| d.join("metrics.jsonl"));
     }
     if cfg.events.is_none() {
         cfg.events = cfg

@@ -331,26 +331,13 @@ fn opt<T: fmt::Display>(v: Option<T>) -> String {
 
 /// A JSON string literal.
 fn string(s: &str) -> String {
-    let mut o = String::with_capacity(s.len() + 2);
-    o.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            '\n' => o.push_str("\\n"),
-            '\r' => o.push_str("\\r"),
-            '\t' => o.push_str("\\t"),
-            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
+    // serializing a str cannot fail
+    serde_json::to_string(s).unwrap_or_default()
 }
 
+/// A JSON array of string literals.
 fn strings(v: &[String]) -> String {
-    let items: Vec<String> = v.iter().map(|s| string(s)).collect();
-    format!("[{}]", items.join(","))
+    serde_json::to_string(v).unwrap_or_default()
 }
 
 #[cfg(test)]

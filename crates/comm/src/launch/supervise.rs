@@ -528,6 +528,3 @@ fn observe(
     }
     Ok(())
 }
-
-#[cfg(test)]
-mod tests;

@@ -1,10 +1,13 @@
 //! The supervisor on small shell scripts: restarts with the resume and dp arguments, the
 //! recovery time from a progress file, exhausted restarts, start-up failures and fatal codes.
 //! (`tests/supervisor.rs` at the workspace root supervises the real trainer.)
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use super::*;
+use kiln_comm::launch::*;
 use std::path::Path;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// A fresh folder for one test.
 fn dir(name: &str) -> PathBuf {
