@@ -106,7 +106,8 @@ impl RunConfig {
     ///   checkpoints, spike detection with rollback, JSONL + TensorBoard + PNG; the corpus
     ///   through the perplexity filter, its three corpora mixed equally for 100 steps and then
     ///   3:1:1, the drift monitor watching.
-    /// - `train_gpt_zero3`: `train_gpt` on dp=4 with ZeRO-3.
+    /// - `train_gpt_zero3`: `train_gpt` on dp=4 with ZeRO-3, the micro-batch chosen by the
+    ///   memory estimate under a budget of 1 GiB per rank.
     /// - `train_gpt_tp`: `train_gpt` on tp=4.
     pub fn preset(name: &str) -> Result<Self> {
         let key = name.trim().to_ascii_lowercase().replace('-', "_");
@@ -188,7 +189,12 @@ impl RunConfig {
                 ..base
             },
             "train_gpt" => gpt(2, 2, 1, "train_gpt"),
-            "train_gpt_zero3" => gpt(4, 1, 3, "train_gpt_zero3"),
+            "train_gpt_zero3" => {
+                let mut c = gpt(4, 1, 3, "train_gpt_zero3");
+                // the micro-batch chosen by kiln-memory's estimate under 1 GiB per rank
+                c.train.dynamic_batch = Some(DynamicBatchSection { budget_mib: 1024.0 });
+                c
+            }
             "train_gpt_tp" => gpt(1, 4, 0, "train_gpt_tp"),
             _ => {
                 return Err(TrainError::config(
