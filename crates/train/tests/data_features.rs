@@ -2,6 +2,9 @@
 //! its realised proportions and the drift monitor (metrics, alert, bitwise resume), the
 //! perplexity filter's counts, the loader options of `RunConfig.data`, and the dynamic batch
 //! chosen from a memory budget.
+//!
+//! The tests run in parallel, so each prepares a corpus of its own name: two preparations of
+//! one corpus in one cache folder at the same time would race on its files.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -196,14 +199,14 @@ fn perplexity_filter_counts_reach_the_summary() {
 #[test]
 fn loader_options_and_skip_windows_reach_the_loader() {
     let root = test_dir("loader_options");
-    let mut cfg = tiny_config("loader_options", &root, "shakespeare_120k", 120_000);
+    let mut cfg = tiny_config("loader_options", &root, "shakespeare_120k_loader", 120_000);
     cfg.train.steps = 3;
     cfg.optim.schedule.warmup_steps = 1;
     cfg.data.stall_timeout_s = 7.5;
     cfg.data.cache_chunks = 3;
     cfg.data.cache_chunk_tokens = 4096;
     cfg.data.skip = vec![SkipWindows {
-        corpus: "shakespeare_120k".into(),
+        corpus: "shakespeare_120k_loader".into(),
         start: 0,
         end: 1_000_000,
     }];
@@ -255,7 +258,7 @@ fn loader_options_and_skip_windows_reach_the_loader() {
 #[test]
 fn dynamic_batch_picks_the_micro_batch_and_keeps_the_trajectory() {
     let root = test_dir("dynamic_batch");
-    let mut cfg = tiny_config("dynamic_batch", &root, "shakespeare_120k", 120_000);
+    let mut cfg = tiny_config("dynamic_batch", &root, "shakespeare_120k_dynamic", 120_000);
     cfg.train.steps = 4;
     cfg.optim.schedule.warmup_steps = 1;
     cfg.train.micro_batch = 4;
