@@ -131,6 +131,32 @@ pub enum ModelError {
     /// Generation was asked to continue an empty prompt.
     #[error("generate: the prompt is empty")]
     EmptyPrompt,
+    /// A Hugging Face GPT-2 configuration field kiln's decoder cannot compute.
+    #[error("config.json: {field} is {got}, kiln needs {expected}")]
+    HfConfig {
+        /// The `config.json` field.
+        field: &'static str,
+        /// Its value.
+        got: String,
+        /// What kiln supports.
+        expected: &'static str,
+    },
+    /// A tensor of a Hugging Face GPT-2 model or of kiln's parameters that does not fit.
+    #[error("tensor {tensor}: {reason}")]
+    HfTensor {
+        /// The tensor's name.
+        tensor: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A file of a Hugging Face model folder that cannot be read or written.
+    #[error("{}: {reason}", file.display())]
+    HfFile {
+        /// The file (or folder).
+        file: std::path::PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 /// Result alias of kiln-model.

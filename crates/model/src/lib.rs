@@ -14,6 +14,9 @@
 //!   layer norm have none);
 //!   [`reference`](mod@reference) holds composite equivalents.
 //! - [`generate`]: greedy and top-k sampling.
+//! - [`hf`]: Hugging Face's GPT-2 layout (`model.safetensors` + `config.json`) to and from
+//!   kiln's parameters; [`Gpt::load_full_parameters`] puts whole tensors into any
+//!   tensor-parallel shard of the model.
 //!
 //! ```
 //! # fn main() -> anyhow::Result<()> {
@@ -41,6 +44,7 @@ mod cuda_attn;
 mod device;
 mod error;
 mod generate;
+pub mod hf;
 mod init;
 mod kernel;
 mod linear;

@@ -409,6 +409,74 @@ impl Gpt {
             .collect()
     }
 
+    /// Sets every parameter from its whole (unsplit) tensor: `params` names each one as
+    /// [`Gpt::named_parameters`] does, with the shape of the `tp = 1` model (a checkpoint's
+    /// fused QKV `[3, d, in]` is accepted for `[3d, in]`: the same bytes); this rank keeps its
+    /// tensor-parallel shard ([`Gpt::param_splits`]), converted to the parameters' dtype. What
+    /// [`crate::hf::load_hf_dir`] and a consolidated checkpoint give. Every parameter must be
+    /// given once; a missing, unknown or misshapen tensor is an error naming it.
+    pub fn load_full_parameters(&self, params: &[(String, kiln_state::TensorData)]) -> Result<()> {
+        let (tp, rank) = self
+            .tp
+            .as_ref()
+            .map_or((1, 0), |c| (c.world_size(), c.rank()));
+        let whole: std::collections::HashMap<String, Vec<usize>> =
+            crate::hf::gpt_param_shapes(&self.cfg).into_iter().collect();
+        let mut given: std::collections::HashMap<&str, &kiln_state::TensorData> =
+            std::collections::HashMap::new();
+        for (n, t) in params {
+            if !whole.contains_key(n) {
+                return Err(ModelError::HfTensor {
+                    tensor: n.clone(),
+                    reason: "not a parameter of this model".into(),
+                });
+            }
+            if given.insert(n.as_str(), t).is_some() {
+                return Err(ModelError::HfTensor {
+                    tensor: n.clone(),
+                    reason: "given twice".into(),
+                });
+            }
+        }
+        let vars: std::collections::HashMap<String, Var> =
+            self.named_parameters().into_iter().collect();
+        for (name, split) in self.param_splits() {
+            let bad = |reason: String| ModelError::HfTensor {
+                tensor: name.clone(),
+                reason,
+            };
+            let t = given
+                .get(name.as_str())
+                .ok_or_else(|| bad("missing".into()))?;
+            let shape = whole
+                .get(&name)
+                .ok_or_else(|| bad("not a parameter of this model".into()))?;
+            let numel: usize = shape.iter().product();
+            let qkv_3d =
+                split == TpSplit::Qkv && t.shape().first() == Some(&3) && t.numel() == numel;
+            if t.shape() != shape.as_slice() && !qkv_3d {
+                return Err(bad(format!("shape {:?}, expected {shape:?}", t.shape())));
+            }
+            let values: Vec<f32> = t
+                .to_vec()
+                .map_err(|e| bad(format!("{e} (expected f32 values)")))?;
+            let var = vars
+                .get(&name)
+                .ok_or_else(|| bad("the model has no such variable".into()))?;
+            let full = Tensor::from_vec(values, shape.as_slice(), var.device())?;
+            let local = split.shard(&full, tp, rank)?.to_dtype(var.dtype())?;
+            if local.dims() != var.dims() {
+                return Err(bad(format!(
+                    "this rank's shard is {:?} but the model holds {:?}",
+                    local.dims(),
+                    var.dims()
+                )));
+            }
+            var.set(&local)?;
+        }
+        Ok(())
+    }
+
     /// The architecture.
     pub fn config(&self) -> &GptConfig {
         &self.cfg
