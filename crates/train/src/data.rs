@@ -39,7 +39,10 @@ pub struct DataSources {
 
 /// Prepares the configured corpus (tokenizer and shards under the cache folder, built once)
 /// and opens its splits. Rank 0 of `world` builds; the others wait for it and reuse the
-/// result, so the tokenizer is trained once.
+/// result, so the tokenizer is trained once. When it fails (a text file of a corpus missing
+/// from `RunConfig.data.data_dir`, say), rank 0 returns [`TrainError::Prepare`], which names
+/// the file and keeps kiln-data's error as its source, and every other rank a
+/// [`TrainError::Rank`] carrying rank 0's message.
 pub fn prepare_sources(cfg: &RunConfig, world: &dyn Communicator) -> Result<DataSources> {
     let vocab = cfg.gpt_config()?.vocab_size;
     let d = &cfg.data;
@@ -52,26 +55,31 @@ pub fn prepare_sources(cfg: &RunConfig, world: &dyn Communicator) -> Result<Data
         quality: d.quality.clone(),
         ..PrepareConfig::new(&d.data_dir, cfg.data_cache_dir()?)
     };
+    let failed = |source| TrainError::Prepare {
+        corpora: d.corpora.clone(),
+        data_dir: std::path::absolute(&d.data_dir).unwrap_or_else(|_| d.data_dir.clone()),
+        source: Box::new(source),
+    };
     let first = if world.rank() == 0 {
-        Some(prepare_corpus(&pcfg))
+        Some(prepare_corpus(&pcfg).map_err(failed))
     } else {
         None
     };
     let ok = u32::from(first.as_ref().is_none_or(|r| r.is_ok()));
     let all_ok = world.all_reduce_scalar(ok, kiln_comm::ReduceOp::Min)?;
+    if all_ok == 0 {
+        // rank 0's error, cause included, reaches every rank: whichever rank's error the
+        // caller sees names the file that is missing
+        let err = first.and_then(Result::err);
+        let text = broadcast_text(world, err.as_ref().map(ToString::to_string).as_deref())?;
+        return Err(err.unwrap_or(TrainError::Rank {
+            rank: 0,
+            message: text,
+        }));
+    }
     let prepared = match first {
         Some(r) => r?,
-        None if all_ok == 1 => prepare_corpus(&pcfg)?,
-        None => {
-            return Err(TrainError::Rank {
-                rank: 0,
-                message: format!(
-                    "could not prepare the corpus {:?} in {}",
-                    d.corpora,
-                    d.data_dir.display()
-                ),
-            })
-        }
+        None => prepare_corpus(&pcfg).map_err(failed)?,
     };
     if prepared.vocab_size > vocab {
         return Err(TrainError::config(
@@ -97,6 +105,26 @@ pub fn prepare_sources(cfg: &RunConfig, world: &dyn Communicator) -> Result<Data
             .collect(),
     })
 }
+
+/// Rank 0's `text` (the others pass `None`) on every rank of `world`: its UTF-8 bytes, one per
+/// `u32` element, at most [`MAX_TEXT_BYTES`] of them.
+fn broadcast_text(world: &dyn Communicator, text: Option<&str>) -> Result<String> {
+    let bytes = text.unwrap_or_default().as_bytes();
+    let bytes = &bytes[..bytes.len().min(MAX_TEXT_BYTES)];
+    let mut len = [bytes.len() as u32];
+    world.broadcast(&mut len, 0)?;
+    let mut buf: Vec<u32> = if world.rank() == 0 {
+        bytes.iter().map(|&b| u32::from(b)).collect()
+    } else {
+        vec![0; len[0] as usize]
+    };
+    world.broadcast(&mut buf, 0)?;
+    let bytes: Vec<u8> = buf.iter().map(|&b| b as u8).collect();
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The longest error text [`broadcast_text`] sends.
+const MAX_TEXT_BYTES: usize = 16 << 10;
 
 /// Token counts of the reference distribution of the drift monitor: about `budget` tokens of
 /// the training sources, each source contributing in proportion to `weights` (equal when

@@ -14,23 +14,38 @@ pub enum TrainError {
         /// What is wrong with it.
         reason: String,
     },
-    /// A configuration file could not be parsed.
-    #[error("cannot parse {path}: {reason}")]
+    /// A configuration file could not be parsed (or a configuration written as TOML).
+    #[error("cannot parse {}: {source}", path.display())]
     Parse {
-        /// The file.
+        /// The file (`<string>` for a document in memory).
         path: PathBuf,
-        /// The parser's message.
-        reason: String,
+        /// The TOML parser's (or writer's) error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// A file operation failed.
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {}: {source}", path.display())]
     File {
         /// What was attempted.
         op: &'static str,
         /// The file or directory.
         path: PathBuf,
         /// The underlying error.
+        #[source]
         source: std::io::Error,
+    },
+    /// The corpus could not be turned into a tokenizer and token shards: a text file is
+    /// missing or unreadable, or the cache folder cannot be written. The message names the file.
+    #[error("cannot prepare the corpus {corpora:?} from {}: {source}", data_dir.display())]
+    Prepare {
+        /// The corpora (`RunConfig.data.corpora`), each a `<name>.txt` in `data_dir`.
+        corpora: Vec<String>,
+        /// The folder of the text files (`RunConfig.data.data_dir`), made absolute against the
+        /// working directory when it was configured relative.
+        data_dir: PathBuf,
+        /// What kiln-data's preparation failed with (naming the file as configured).
+        #[source]
+        source: Box<kiln_data::DataError>,
     },
     /// A checkpoint does not fit this run.
     #[error("checkpoint of step {step}: {reason}")]
@@ -43,12 +58,13 @@ pub enum TrainError {
     /// A builder part is missing or does not fit the others.
     #[error("trainer builder: {0}")]
     Builder(String),
-    /// A rank of [`crate::run_threads`] failed.
+    /// A rank of [`crate::run_threads`] failed, or another rank's failure as this rank
+    /// learned of it (its message is all that crosses ranks and processes).
     #[error("rank {rank} failed: {message}")]
     Rank {
         /// The failing rank.
         rank: usize,
-        /// Its error.
+        /// Its error, as text.
         message: String,
     },
     /// A collective failed.

@@ -209,7 +209,7 @@ impl RunConfig {
     pub fn from_toml_str(text: &str) -> Result<Self> {
         toml::from_str(text).map_err(|e| TrainError::Parse {
             path: PathBuf::from("<string>"),
-            reason: e.to_string(),
+            source: Box::new(e),
         })
     }
 
@@ -223,7 +223,7 @@ impl RunConfig {
         })?;
         toml::from_str(&text).map_err(|e| TrainError::Parse {
             path: path.to_path_buf(),
-            reason: e.to_string(),
+            source: Box::new(e),
         })
     }
 
@@ -231,7 +231,7 @@ impl RunConfig {
     pub fn to_toml_string(&self) -> Result<String> {
         toml::to_string(self).map_err(|e| TrainError::Parse {
             path: PathBuf::from("<string>"),
-            reason: e.to_string(),
+            source: Box::new(e),
         })
     }
 
@@ -312,6 +312,9 @@ mod tests {
     fn errors_name_the_field() {
         let e = RunConfig::from_toml_str("[train]\nstepz = 3\n").unwrap_err();
         assert!(e.to_string().contains("stepz"), "{e}");
+        // the parser's error is the source, and its text is in the message
+        let source = std::error::Error::source(&e).unwrap().to_string();
+        assert!(e.to_string().ends_with(&source), "{e}");
         let mut c = RunConfig::default();
         c.parallel.dp = 3;
         c.parallel.tp = 8;
@@ -474,6 +477,18 @@ mod tests {
             c.train.steps, 30,
             "a failed override leaves the config alone"
         );
+    }
+
+    #[test]
+    fn data_dir_by_its_path_its_alias_and_its_flag() {
+        let mut c = RunConfig::default();
+        c.apply_overrides(&[("data.data_dir", "/srv/kiln/data")])
+            .unwrap();
+        assert_eq!(c.data.data_dir, Path::new("/srv/kiln/data"));
+        c.apply_overrides(&[("data_dir", "../kiln/data")]).unwrap();
+        assert_eq!(c.data.data_dir, Path::new("../kiln/data"));
+        let c = RunConfig::from_args("tiny", ["--data-dir", "corpus"].map(String::from)).unwrap();
+        assert_eq!(c.data.data_dir, Path::new("corpus"));
     }
 
     #[test]

@@ -168,7 +168,7 @@ impl RunConfig {
                     "data.mixture",
                     format!(
                         "a mixture schedule needs several corpora, data.corpora names {} \
-                         (clear the schedule with --data.mixture '[]')",
+                         (clear the schedule: data.mixture = [] (--data.mixture '[]'))",
                         d.corpora.len()
                     ),
                 );
@@ -177,8 +177,9 @@ impl RunConfig {
                 TrainError::config(
                     "RunConfig.data.mixture",
                     format!(
-                        "{e} (data.corpora names {}; set the schedule with --data.mixture \
-                             '[{{\"step\": 1, \"weights\": [...]}}]' or clear it with '[]')",
+                        "{e} (data.corpora names {}; give data.mixture one weight per corpus \
+                             (--data.mixture '[{{\"step\": 1, \"weights\": [...]}}]') or \
+                             clear it: data.mixture = [] (--data.mixture '[]'))",
                         d.corpora.len()
                     ),
                 )

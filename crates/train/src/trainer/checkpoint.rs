@@ -34,8 +34,8 @@ impl<M: TrainModel> Trainer<M> {
                         "RunConfig.checkpoint.resume",
                         format!(
                             "{} already holds checkpoints of an earlier run (the newest of step \
-                             {newest}): pass --resume to continue it, or --out DIR to start a \
-                             new run in another folder",
+                             {newest}): set checkpoint.resume = true (--resume) to continue it, or \
+                             output_dir (--out DIR) to start a new run in another folder",
                             self.cfg.checkpoint_dir().display()
                         ),
                     ));
