@@ -21,7 +21,11 @@
 //! - Checkpoints ([`state`]): kiln-ckpt [`kiln_ckpt::Stateful`] parts for the master weights,
 //!   the AdamW moments, the scaler, the loader position (skip set included), the breaker and
 //!   the trainer's counters, stored per parameter with global shapes, so a checkpoint resumes
-//!   bitwise on the same layout and reshards to another dp, ZeRO stage or tp.
+//!   bitwise on the same layout and reshards to another dp, ZeRO stage or tp. Each checkpoint
+//!   records the model's [`kiln_model::GptConfig`] and its folder keeps the run's tokenizer,
+//!   so [`Pretrained`] reads any checkpoint back as whole parameters (to export to Hugging
+//!   Face's GPT-2 layout, sample, evaluate), and [`ModelSection::init_from`] starts a run from
+//!   a checkpoint's or a Hugging Face folder's weights at any dp and tp.
 //!
 //! ```
 //! use kiln_data::{write_shard, TokenDtype, TokenSource, Verify};
@@ -49,6 +53,7 @@ mod config;
 mod data;
 mod error;
 mod model;
+mod pretrained;
 mod run;
 pub mod state;
 mod trainer;
@@ -61,6 +66,7 @@ pub use config::{
 pub use data::{decode_sample_id, encode_sample_id, micro_batches, prepare_sources, DataSources};
 pub use error::{Result, TrainError};
 pub use model::{gpt_config_hash, ModelContext, TrainModel};
+pub use pretrained::{Pretrained, PretrainedSource, GPT_META_KEY, TOKENIZER_FILE};
 pub use run::{run_threads, run_threads_with, run_with, RankContext};
 pub use state::TrainerProgress;
 pub use trainer::{

@@ -42,6 +42,12 @@ pub trait TrainModel: SegmentedModel {
     /// not depend on the parallel layout, so that checkpoints reshard.
     fn config_hash(&self) -> String;
 
+    /// The GPT architecture, when the model is kiln-model's GPT: checkpoints record it, so
+    /// that [`crate::Pretrained`] can read them back without the run's configuration.
+    fn gpt_config(&self) -> Option<GptConfig> {
+        None
+    }
+
     /// Training FLOPs per token at sequence length `seq_len`, for MFU (None: not reported).
     fn flops_per_token(&self, seq_len: usize) -> Option<f64> {
         let _ = seq_len;
@@ -72,6 +78,10 @@ impl TrainModel for Gpt {
 
     fn config_hash(&self) -> String {
         gpt_config_hash(self.config())
+    }
+
+    fn gpt_config(&self) -> Option<GptConfig> {
+        Some(self.config().clone())
     }
 
     /// kiln-model's [`GptConfig::flops_per_token`] (PaLM's `6 N + 12 L H Q T`) at the trained
@@ -108,17 +118,22 @@ impl std::fmt::Debug for ModelContext<'_> {
 impl ModelContext<'_> {
     /// The default model: the configured GPT preset, seeded with the run's seed, on the
     /// configured device, computing in the configured dtype, split over the tensor-parallel group when it has more than one
-    /// rank.
+    /// rank; with [`crate::ModelSection::init_from`], its weights are then read from that
+    /// checkpoint or Hugging Face folder.
     pub fn build_gpt(&self) -> Result<Gpt> {
         let cfg = self.config.gpt_config()?;
         let opts = GptOptions::seeded(self.config.seed)
             .with_compute_dtype(self.config.precision.dtype())
             .with_device(self.config.device.device()?);
-        Ok(if self.tp.world_size() > 1 {
+        let model = if self.tp.world_size() > 1 {
             Gpt::tensor_parallel(&cfg, &opts, self.tp.clone())?
         } else {
             Gpt::new(&cfg, &opts)?
-        })
+        };
+        if let Some(path) = &self.config.model.init_from {
+            crate::Pretrained::load(path)?.load_into(&model)?;
+        }
+        Ok(model)
     }
 }
 

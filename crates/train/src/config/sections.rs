@@ -28,6 +28,12 @@ pub struct ModelSection {
     pub n_layers: Option<usize>,
     /// Overrides the preset's number of heads.
     pub n_heads: Option<usize>,
+    /// Starts from trained weights instead of the seeded initialisation: a kiln checkpoint
+    /// folder (any dp, tp and ZeRO stage; its newest step, or a `step-NNNNNNNN` folder) or a
+    /// Hugging Face GPT-2 folder (`config.json` + `model.safetensors`). Only the weights are
+    /// read (the optimizer, the data position and the step start afresh, as fine-tuning
+    /// does); the architecture above must match theirs. None: a fresh model.
+    pub init_from: Option<PathBuf>,
 }
 
 impl Default for ModelSection {
@@ -39,6 +45,7 @@ impl Default for ModelSection {
             d_model: None,
             n_layers: None,
             n_heads: None,
+            init_from: None,
         }
     }
 }
@@ -327,7 +334,10 @@ impl Default for EvalSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataSection {
-    /// Folder holding `<corpus>.txt` for every corpus.
+    /// Folder holding `<corpus>.txt` for every corpus (override key `data.data_dir`, flag
+    /// `--data_dir`). Default `data`: kiln's own corpus when run from the repository root. A
+    /// relative path is resolved against the working directory, so a program depending on
+    /// kiln sets it to where that folder is (`../kiln/data` beside a clone).
     pub data_dir: PathBuf,
     /// Cache folder for the tokenizer and shards (default `$KILN_DATA_CACHE` or
     /// `.cache/kiln-data`).

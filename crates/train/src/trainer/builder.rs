@@ -205,6 +205,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
         }
 
         // data
+        let prepared_here = self.data.is_none();
         let sources = match self.data {
             Some(d) => d,
             None => prepare_sources(&cfg, &*world)?,
@@ -367,6 +368,21 @@ impl<M: TrainModel> TrainerBuilder<M> {
             )?;
             c.set_user_meta("run", &cfg.name)?;
             c.set_user_meta("run_hash", cfg.trajectory_hash())?;
+            if let Some(g) = model.gpt_config() {
+                c.set_user_meta(crate::GPT_META_KEY, g)?;
+            }
+            if prepared_here && rank == 0 {
+                // the tokenizer beside the checkpoints, so they can be sampled and exported
+                let tok = cfg.data_cache_dir()?.join(crate::TOKENIZER_FILE);
+                if tok.is_file() {
+                    let bytes = std::fs::read(&tok).map_err(|source| TrainError::File {
+                        op: "read",
+                        path: tok.clone(),
+                        source,
+                    })?;
+                    c.storage().put(crate::TOKENIZER_FILE, &bytes)?;
+                }
+            }
             Some(c)
         } else {
             None

@@ -1,0 +1,153 @@
+//! The main job's checkpoint out of kiln, through the binaries a user runs: `train_gpt` (its
+//! preset: `small_cpu`, dp=2 x tp=2, ZeRO-1, fp16, activation checkpointing; only shortened to
+//! 6 steps without evaluation), then `export_hf runs/.../checkpoints/latest OUT`. An
+//! independent GPT-2 in numpy (`scripts/gpt2_numpy_forward.py`) computes, from the exported
+//! files alone, the logits kiln computes from the checkpoint, within 1e-5; `sample --greedy`
+//! prints the same continuation from the checkpoint and from the export.
+//!
+//! Needs the `train_gpt`, `export_hf` and `sample` examples (`cargo test --workspace
+//! --release` builds them) and python3 with numpy (CI installs it; elsewhere the numpy part is
+//! skipped with a message).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use candle_core::{Device, Tensor};
+use common::process::{command, example, train_gpt, work_dir};
+use kiln_model::{Gpt, GptOptions};
+use kiln_train::Pretrained;
+use std::path::Path;
+use std::process::Output;
+
+fn run_ok(what: &str, out: Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// The `ids:` line of `sample --greedy --ids` on `model`.
+fn greedy_ids(model: &Path) -> String {
+    let out = command(&example("sample", "KILN_SAMPLE"))
+        .arg(model)
+        .args([
+            "--greedy",
+            "--ids",
+            "--max-tokens",
+            "24",
+            "--prompt",
+            "ROMEO:\nBut soft",
+        ])
+        .output()
+        .unwrap();
+    let stdout = run_ok("sample", out);
+    stdout
+        .lines()
+        .find(|l| l.starts_with("ids:"))
+        .unwrap_or_else(|| panic!("no ids: line in\n{stdout}"))
+        .to_string()
+}
+
+#[test]
+fn the_main_jobs_export_is_gpt2_to_numpy() {
+    let root = work_dir("export-main-job");
+    let out = root.join("run");
+    // the README snippet test prepares the same corpus (vocabulary 8192) into this cache
+    let cache = Path::new(env!("CARGO_TARGET_TMPDIR")).join("readme-data-cache");
+    let flags = "--steps 6 --ckpt_every 6 --warmup 2 --eval_every 0 --eval.at_end false \
+                 --metrics.tensorboard false --metrics.png false";
+    let run = command(&train_gpt())
+        .args(flags.split_whitespace())
+        .arg("--out")
+        .arg(&out)
+        .arg("--cache_dir")
+        .arg(&cache)
+        .output()
+        .unwrap();
+    let stdout = run_ok("train_gpt", run);
+    assert!(stdout.contains("dp=2 x tp=2, ZeRO-1, f16"), "{stdout}");
+
+    let latest = out.join("checkpoints/latest");
+    let export = root.join("hf");
+    let ex = command(&example("export_hf", "KILN_EXPORT_HF"))
+        .arg(&latest)
+        .arg(&export)
+        .output()
+        .unwrap();
+    let printed = run_ok("export_hf", ex);
+    println!("{printed}");
+    assert!(
+        printed.contains("step 6") && printed.contains("dp=2 tp=2 zero=1"),
+        "{printed}"
+    );
+    for f in ["model.safetensors", "config.json", "tokenizer.json"] {
+        assert!(export.join(f).is_file(), "{f} missing: {printed}");
+    }
+
+    // kiln's logits from the checkpoint; the numpy GPT-2's from the export
+    let ckpt = Pretrained::load(&latest).unwrap();
+    let model = Gpt::new(&ckpt.config, &GptOptions::seeded(0)).unwrap();
+    ckpt.load_into(&model).unwrap();
+    let ids: Vec<u32> = (0..ckpt.config.n_ctx as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(17) % ckpt.config.vocab_size as u32)
+        .collect();
+    let tokens = Tensor::new(ids.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits: Vec<f32> = model
+        .forward(&tokens)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let has_numpy = std::process::Command::new("python3")
+        .args(["-c", "import numpy"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if has_numpy {
+        let file = root.join("numpy_logits.f32");
+        let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+        let py = std::process::Command::new("python3")
+            .arg(common::process::repo().join("scripts/gpt2_numpy_forward.py"))
+            .arg(&export)
+            .arg(list.join(","))
+            .arg(&file)
+            .output()
+            .unwrap();
+        run_ok("gpt2_numpy_forward.py", py);
+        let reference: Vec<f32> = std::fs::read(&file)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(reference.len(), logits.len());
+        let worst = logits
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        println!(
+            "numpy GPT-2 on the export vs kiln on the checkpoint: {} logits, largest |difference| {worst:.3e}",
+            logits.len()
+        );
+        assert!(worst <= 1e-5, "logits differ by {worst:e}");
+    } else {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "CI installs numpy, but python3 cannot import it"
+        );
+        println!("skipped the numpy reference: python3 with numpy is not available");
+    }
+
+    // the same greedy continuation from the checkpoint and from its export
+    let a = greedy_ids(&out.join("checkpoints"));
+    let b = greedy_ids(&export);
+    assert_eq!(a, b);
+    println!("greedy sample from the checkpoint and from the export: {a}");
+}
