@@ -7,10 +7,8 @@
 //! cargo run --release --example import_hf -- HF_DIR [--preset train_gpt] [--steps 20]
 //!     [--tp N] [--dp N] [--out runs/import_hf] [any train_gpt flag]
 //! ```
-//! The corpus is tokenized with the run's own tokenizer (trained on the corpus at the
-//! folder's vocabulary size): fine-tuning makes sense when that is the folder's tokenizer,
-//! as it is for a kiln export of a run on the same corpus; the example says whether they are
-//! the same file.
+//! The corpus is tokenized with the folder's `tokenizer.json` (`data.tokenizer`), so the model
+//! sees the token ids it was trained with.
 
 use anyhow::{bail, Context};
 use kiln_model::hf;
@@ -59,6 +57,12 @@ fn main() -> anyhow::Result<()> {
     }
     flags.push("--model.init_from".into());
     flags.push(dir.display().to_string());
+    // the corpus in the model's own token ids
+    let hf_tok = dir.join(hf::HF_TOKENIZER_FILE);
+    if hf_tok.is_file() {
+        flags.push("--data.tokenizer".into());
+        flags.push(hf_tok.display().to_string());
+    }
     flags.extend(args);
     let cfg = RunConfig::from_args(&preset, flags)?;
     cfg.validate()?;
@@ -71,6 +75,14 @@ fn main() -> anyhow::Result<()> {
         gpt.n_ctx,
         gpt.vocab_size
     );
+    match &cfg.data.tokenizer {
+        Some(t) => println!("the corpus is tokenized with the folder's {}", t.display()),
+        None => println!(
+            "warning: {} has no tokenizer.json: the corpus is tokenized with a tokenizer trained \
+             on it, whose ids are not the model's",
+            dir.display()
+        ),
+    }
     println!(
         "training it {} steps on {:?} as dp={} x tp={} (ZeRO-{}), outputs in {}",
         cfg.train.steps,
@@ -91,22 +103,6 @@ fn main() -> anyhow::Result<()> {
         t.finish()?;
         Ok(losses)
     })?;
-    let run_tok = cfg.data_cache_dir()?.join(kiln_train::TOKENIZER_FILE);
-    let hf_tok = dir.join(hf::HF_TOKENIZER_FILE);
-    match (std::fs::read(&hf_tok), std::fs::read(&run_tok)) {
-        (Ok(a), Ok(b)) if a == b => {
-            println!(
-                "the folder's tokenizer.json is the run's ({})",
-                run_tok.display()
-            )
-        }
-        (Ok(_), Ok(_)) => println!(
-            "warning: the folder's tokenizer.json differs from the run's ({}): the corpus was \
-             fed with other token ids than the model was trained on",
-            run_tok.display()
-        ),
-        _ => println!("the folder has no tokenizer.json to compare with the run's"),
-    }
     if let Some((_, losses)) = results.into_iter().find(|(rank, _)| *rank == 0) {
         let (first, last) = (losses.first(), losses.last());
         if let (Some(first), Some(last)) = (first, last) {

@@ -44,6 +44,12 @@ pub struct PrepareConfig {
     /// with or without it.
     #[serde(default)]
     pub quality: Option<QualityConfig>,
+    /// A tokenizer to use instead of training one (`tokenizer.json`, the `tokenizers`
+    /// library's format; e.g. the one of a model to fine-tune): copied into the cache folder,
+    /// its vocabulary must be `vocab_size`. A change of its content rebuilds the shards.
+    /// `None`: a BPE tokenizer is trained on the corpora.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl PrepareConfig {
@@ -60,6 +66,7 @@ impl PrepareConfig {
             train_shards: 4,
             tokenizer_sample_bytes: 4 << 20,
             quality: None,
+            tokenizer: None,
         }
     }
 
@@ -203,6 +210,7 @@ fn same_build(a: &PrepareConfig, b: &PrepareConfig) -> bool {
         a.train_shards,
         a.tokenizer_sample_bytes,
         quality(&a.quality),
+        a.tokenizer.is_some(),
     ) == (
         &b.corpora,
         b.vocab_size,
@@ -210,6 +218,7 @@ fn same_build(a: &PrepareConfig, b: &PrepareConfig) -> bool {
         b.train_shards,
         b.tokenizer_sample_bytes,
         quality(&b.quality),
+        b.tokenizer.is_some(),
     )
 }
 
@@ -235,6 +244,12 @@ fn reuse(cfg: &PrepareConfig, inputs: &[(u64, u32)]) -> Option<PreparedCorpus> {
                 .sum()
         };
         if total(&s.train)? != s.train_tokens || total(&s.val)? != s.val_tokens {
+            return None;
+        }
+    }
+    if let Some(given) = &cfg.tokenizer {
+        // the same path may hold another tokenizer now
+        if std::fs::read(given).ok()? != std::fs::read(&m.tokenizer).ok()? {
             return None;
         }
     }
@@ -326,17 +341,41 @@ pub fn prepare_corpus(cfg: &PrepareConfig) -> Result<PreparedCorpus> {
         .iter()
         .map(|t| split_validation(t, cfg.val_fraction))
         .collect();
-    let per_corpus = cfg.tokenizer_sample_bytes / cfg.corpora.len();
-    let sample: Vec<&str> = splits
-        .iter()
-        .flat_map(|(train, _)| sample_text(train, per_corpus))
-        .collect();
-    let tok = Tokenizer::train_bpe(
-        sample.iter().flat_map(|b| b.split_inclusive('\n')),
-        cfg.vocab_size,
-    )?;
     let tokenizer = cfg.out_dir.join("tokenizer.json");
-    tok.save(&tokenizer)?;
+    let tok = match &cfg.tokenizer {
+        Some(given) => {
+            let tok = Tokenizer::from_file(given)?;
+            if tok.vocab_size() != cfg.vocab_size {
+                return Err(DataError::config(
+                    "tokenizer",
+                    format!(
+                        "{} has a vocabulary of {} entries, the model {}",
+                        given.display(),
+                        tok.vocab_size(),
+                        cfg.vocab_size
+                    ),
+                ));
+            }
+            let bytes = std::fs::read(given).map_err(|e| DataError::file("read", given, e))?;
+            std::fs::create_dir_all(&cfg.out_dir)
+                .map_err(|e| DataError::file("create", &cfg.out_dir, e))?;
+            crate::fsutil::write_atomic(&tokenizer, &bytes)?;
+            tok
+        }
+        None => {
+            let per_corpus = cfg.tokenizer_sample_bytes / cfg.corpora.len();
+            let sample: Vec<&str> = splits
+                .iter()
+                .flat_map(|(train, _)| sample_text(train, per_corpus))
+                .collect();
+            let tok = Tokenizer::train_bpe(
+                sample.iter().flat_map(|b| b.split_inclusive('\n')),
+                cfg.vocab_size,
+            )?;
+            tok.save(&tokenizer)?;
+            tok
+        }
+    };
     let dtype = TokenDtype::for_vocab(tok.vocab_size());
     let mut sources = Vec::with_capacity(cfg.corpora.len());
     for ((name, (train, val)), &(input_bytes, input_crc32)) in

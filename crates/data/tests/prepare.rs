@@ -91,3 +91,67 @@ fn prepare_round_trips_holds_out_the_end_and_is_idempotent() {
     assert!(prepare_corpus(&moved).unwrap().reused);
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// A given tokenizer (a model's, to fine-tune it) is used instead of training one: copied into
+/// the cache, the shards in its ids; another tokenizer's content rebuilds; a vocabulary other
+/// than the configured one is an error naming the file.
+#[test]
+fn a_given_tokenizer_is_used_and_checked() {
+    let root = std::env::temp_dir().join(format!("kiln-data-given-tok-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let data = root.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("austen.txt"), corpus_head("austen", 40_000)).unwrap();
+    std::fs::write(data.join("bible.txt"), corpus_head("web_bible", 40_000)).unwrap();
+    // two tokenizers of 500 entries, trained on other texts than the corpus
+    let make = |name: &str, text: &str| {
+        let tok = kiln_data::Tokenizer::train_bpe(text.split_inclusive('\n'), 500).unwrap();
+        let path = root.join(name);
+        tok.save(&path).unwrap();
+        (tok, path)
+    };
+    let (tok_a, path_a) = make("a.json", &corpus_head("shakespeare", 60_000));
+    let (_, path_b) = make("b.json", &corpus_head("web_bible", 60_000));
+    let cfg = PrepareConfig {
+        corpora: vec!["austen".into()],
+        vocab_size: 500,
+        train_shards: 1,
+        tokenizer: Some(path_a.clone()),
+        ..PrepareConfig::new(&data, root.join("cache"))
+    };
+    let p = prepare_corpus(&cfg).unwrap();
+    assert_eq!(
+        std::fs::read(&p.tokenizer).unwrap(),
+        std::fs::read(&path_a).unwrap()
+    );
+    let austen = corpus_head("austen", 40_000);
+    let (train, _) = split_validation(&austen, cfg.val_fraction);
+    let shard = Shard::open(&p.sources[0].train[0]).unwrap();
+    let mut ids = vec![0u32; shard.len() as usize];
+    shard.read(0, &mut ids).unwrap();
+    let mut want = tok_a.encode(train).unwrap();
+    want.push(tok_a.eot());
+    assert_eq!(ids, want, "the shard holds the given tokenizer's ids");
+    assert!(prepare_corpus(&cfg).unwrap().reused);
+    // the same path with another tokenizer in it: rebuilt with that one
+    std::fs::copy(&path_b, &path_a).unwrap();
+    let again = prepare_corpus(&cfg).unwrap();
+    assert!(!again.reused);
+    assert_eq!(
+        std::fs::read(&again.tokenizer).unwrap(),
+        std::fs::read(&path_b).unwrap()
+    );
+    // a vocabulary that is not the model's
+    let err = prepare_corpus(&PrepareConfig {
+        vocab_size: 512,
+        out_dir: root.join("cache2"),
+        ..cfg.clone()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("a.json") && err.contains("500") && err.contains("512"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}

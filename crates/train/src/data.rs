@@ -53,6 +53,7 @@ pub fn prepare_sources(cfg: &RunConfig, world: &dyn Communicator) -> Result<Data
         train_shards: d.train_shards,
         tokenizer_sample_bytes: d.tokenizer_sample_bytes,
         quality: d.quality.clone(),
+        tokenizer: d.tokenizer.clone(),
         ..PrepareConfig::new(&d.data_dir, cfg.data_cache_dir()?)
     };
     let failed = |source| TrainError::Prepare {

@@ -256,6 +256,8 @@ fn export_import_and_start_from_it_at_another_tp() {
         let dir = root.join(format!("import-tp{tp}"));
         let mut c = config(&dir, 1, tp, 0, 4);
         c.model.init_from = Some(export.clone());
+        // the corpus in the export's token ids (the same tokenizer: the same batches)
+        c.data.tokenizer = Some(export.join("tokenizer.json"));
         let (l, start, _) = run(&c);
         assert_bitwise(&format!("start at tp={tp}"), &start, &trained);
         assert_eq!(l.len(), 4);

@@ -261,7 +261,22 @@ impl RunConfig {
             Some(q) => format!("-ppl{}x{}m{}", q.order, q.drop_fraction, q.min_doc_tokens),
             None => String::new(),
         };
-        Ok(root.join(format!("{}-v{vocab}{quality}", self.data.corpora.join("+"))))
+        // a given tokenizer too, by its content
+        let tokenizer = match &self.data.tokenizer {
+            Some(path) => {
+                let bytes = std::fs::read(path).map_err(|source| TrainError::File {
+                    op: "read the tokenizer (RunConfig.data.tokenizer)",
+                    path: path.clone(),
+                    source,
+                })?;
+                format!("-tok{:08x}", crc32fast::hash(&bytes))
+            }
+            None => String::new(),
+        };
+        Ok(root.join(format!(
+            "{}-v{vocab}{quality}{tokenizer}",
+            self.data.corpora.join("+")
+        )))
     }
 
     /// A short hash of everything that shapes the training trajectory (model, precision,

@@ -373,6 +373,10 @@ pub struct DataSection {
     pub mixture: MixtureSchedule,
     /// The token-distribution drift monitor.
     pub drift: DriftSection,
+    /// A tokenizer (`tokenizer.json`) to tokenize the corpora with instead of training one on
+    /// them: the tokenizer of a model the run starts from ([`ModelSection::init_from`]). Its
+    /// vocabulary must be the model's; the prepared corpus gets a cache folder of its own.
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Windows of one corpus's training split to skip (see [`DataSection::skip`]).
@@ -444,6 +448,7 @@ impl Default for DataSection {
             quality: None,
             mixture: MixtureSchedule::default(),
             drift: DriftSection::default(),
+            tokenizer: None,
         }
     }
 }
