@@ -363,3 +363,87 @@ fn numpy_gpt2_matches_small_cpu_at_full_context() {
         assert!(worst <= 1e-5, "logits differ by {worst:e}");
     }
 }
+
+/// The real other side, where it is installed (it is not in CI: PyTorch is gigabytes):
+/// `transformers.GPT2LMHeadModel.from_pretrained` loads kiln's export with no missing or
+/// unexpected key and computes kiln's logits; a GPT-2 that `transformers` initialised and
+/// wrote with `save_pretrained` imports into kiln with `transformers`' logits. The Python is
+/// `$KILN_HF_PYTHON` (default `python3`); without `torch` and `transformers` the test says so
+/// and passes.
+#[test]
+fn transformers_reads_the_export_and_writes_an_importable_gpt2() {
+    let python = std::env::var("KILN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python)
+        .args(["-c", "import torch, transformers"])
+        .output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        println!("skipped: {python} cannot import torch and transformers (set KILN_HF_PYTHON to a Python that can)");
+        return;
+    }
+    let root = test_dir("pretrained-transformers");
+    const SCRIPT: &str = r#"
+import sys, json, warnings
+warnings.filterwarnings("ignore")
+import numpy as np, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+mode, d, ids, out = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")], sys.argv[4]
+if mode == "write":
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    m = GPT2LMHeadModel(cfg)
+    m.save_pretrained(d)
+    info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
+else:
+    m, info = GPT2LMHeadModel.from_pretrained(d, output_loading_info=True)
+m.eval()
+with torch.no_grad():
+    logits = m(torch.tensor([ids])).logits[0].numpy().astype("<f4")
+logits.tofile(out)
+print(json.dumps({k: sorted(map(str, info[k])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}))
+"#;
+    let run = |mode: &str, dir: &Path, ids: &[u32]| -> Vec<f32> {
+        let file = root.join(format!("{mode}.f32"));
+        let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+        let out = Command::new(&python)
+            .args(["-c", SCRIPT, mode])
+            .arg(dir)
+            .arg(list.join(","))
+            .arg(&file)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "transformers ({mode}) failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let clean = r#"{"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}"#;
+        assert!(
+            stdout.contains(clean),
+            "transformers' loading info: {stdout}"
+        );
+        std::fs::read(&file)
+            .unwrap()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    // kiln -> transformers
+    let cfg = kiln_model::GptConfig::new(96, 32, 32, 2, 4);
+    let model = Gpt::new(&cfg, &GptOptions::seeded(3)).unwrap();
+    let export = root.join("from-kiln");
+    hf::save_hf_dir(&export, &cfg, &params_of(&model), None, None).unwrap();
+    let ids: Vec<u32> = (0..32).map(|i| (i * 37 + 5) % 96).collect();
+    let worst = worst_diff(&run("read", &export, &ids), &logits_of(&model, &ids));
+    println!("transformers on kiln's export vs kiln: largest |difference| {worst:.3e}");
+    assert!(worst <= 1e-5, "{worst:e}");
+    // transformers -> kiln
+    let written = root.join("from-transformers");
+    let reference = run("write", &written, &ids);
+    let imported = Pretrained::load(&written).unwrap();
+    let worst = worst_diff(&reference, &logits_of(&model_of(&imported), &ids));
+    println!(
+        "kiln on transformers' save_pretrained vs transformers: largest |difference| {worst:.3e}"
+    );
+    assert!(worst <= 1e-5, "{worst:e}");
+}
