@@ -12,6 +12,7 @@
 //! - `data`: tokenizer, token shards, distributed sampler, mixture, quality filters, prefetch.
 //! - `ckpt`: sharded, atomic, checksummed checkpoints with resharding.
 //! - `monitor`: metrics, sinks (JSONL, console, TensorBoard, PNG), detectors, circuit breaker.
+//! - `tune`: post-training: instruction fine-tuning, LoRA, a reward model, DPO, int8 QAT.
 //! - `train`: the reference `Trainer` assembled from all of the above, and `RunConfig`.
 //!
 //! ```
@@ -41,3 +42,5 @@ pub use kiln_precision as precision;
 pub use kiln_state as state;
 #[cfg(feature = "train")]
 pub use kiln_train as train;
+#[cfg(feature = "tune")]
+pub use kiln_tune as tune;

@@ -241,6 +241,38 @@ impl MemoryPlan {
         })
     }
 
+    /// The estimate for parameter-efficient fine-tuning: `frozen_per_rank` of this rank's
+    /// parameters are frozen and `trainable_per_rank` train (the rest of the model's
+    /// parameters, plus any a wrapper adds, such as LoRA's adapters: freezing the whole model
+    /// and adding adapters is `frozen = params_per_rank`). Trainable parameters cost what
+    /// [`MemoryPlan::estimate`] says a parameter costs; frozen ones only their weights in
+    /// compute precision, replicated over the data-parallel group (no gradient, no master copy,
+    /// no optimizer state). An error when more parameters are frozen than the rank holds.
+    pub fn estimate_frozen(
+        &self,
+        frozen_per_rank: u64,
+        trainable_per_rank: u64,
+    ) -> Result<MemoryEstimate> {
+        let full = self.estimate()?;
+        let psi = full.params_per_rank;
+        if frozen_per_rank > psi {
+            return Err(MemoryError::Config {
+                field: "frozen parameters",
+                message: format!("{frozen_per_rank} frozen, but a rank holds only {psi}"),
+            });
+        }
+        let c = self.precision.compute_bytes();
+        let (w, grads, optimizer) =
+            Self::model_state_split(trainable_per_rank, self.precision, self.stage, self.dp);
+        Ok(MemoryEstimate {
+            params_per_rank: frozen_per_rank + trainable_per_rank,
+            weights: w + c * frozen_per_rank,
+            grads,
+            optimizer,
+            ..full
+        })
+    }
+
     fn block_params_per_rank(&self) -> u64 {
         let h = self.shape.d_model;
         (12 * h * h + 7 * h) / self.tp + 6 * h
@@ -330,6 +362,19 @@ mod tests {
         assert_eq!(s.params_per_tp_rank(1), s.params());
         let per8 = s.params_per_tp_rank(8);
         assert!(per8 > s.params() / 8 && per8 < s.params() / 8 + s.params() / 100);
+    }
+
+    #[test]
+    fn frozen_parameters_cost_only_their_weights() {
+        let psi = gpt3().params();
+        let lora = 37_748_736; // rank 16 on q, k, v, o of GPT-3's 96 blocks
+        let p = plan(ShardingStage::Replicated, 8);
+        let e = p.estimate_frozen(psi, lora).unwrap();
+        // 2 bytes of every frozen weight, 2 + 2 + 12 bytes of each adapter parameter
+        assert_eq!(e.model_states(), 2 * psi + 16 * lora);
+        assert_eq!(p.estimate_frozen(0, psi).unwrap(), p.estimate().unwrap());
+        let err = p.estimate_frozen(psi + 1, 0).unwrap_err().to_string();
+        assert!(err.contains("frozen parameters"), "{err}");
     }
 
     #[test]

@@ -110,11 +110,24 @@ pub trait LinearLayer: Send + Sync + std::fmt::Debug {
     fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_gelu_with(x, &self.parameters())
     }
-    /// This layer's trainable parameters with their full names, in a fixed order.
+    /// Every parameter this layer holds with its full name, in a fixed order (a wrapper such
+    /// as a LoRA adapter lists the wrapped layer's and its own; the model decides which of them
+    /// train, see [`crate::Gpt::freeze`]).
     fn parameters(&self) -> Vec<(String, Var)>;
     /// Output features this layer produces locally (a column-parallel shard produces fewer
     /// than the spec's `out_features`).
     fn local_out_features(&self) -> usize;
+    /// How this layer's parameters split over tensor-parallel ranks, when they are not exactly
+    /// the spec's weight and bias ([`LinearSpec::param_splits`], the default `None`): a layer
+    /// with parameters of its own lists all of them.
+    fn param_splits(&self) -> Option<Vec<(String, TpSplit)>> {
+        None
+    }
+    /// What this layer's parameters are, when they are not exactly the spec's weight and bias
+    /// ([`LinearSpec::param_kinds`], the default `None`).
+    fn param_kinds(&self) -> Option<Vec<(String, ParamKind)>> {
+        None
+    }
 }
 
 /// Builds the linear layers of a model.

@@ -10,6 +10,7 @@ use crate::tp::TensorParallelFactory;
 use candle_core::{DType, Device, Tensor, Var};
 use kiln_optim::ParamKind;
 use kiln_parallel::tp::{self as tpops, TpComm, TpSplit};
+use std::collections::HashMap;
 
 /// How a [`Gpt`] is built and run, apart from its architecture.
 #[derive(Debug, Clone)]
@@ -160,16 +161,35 @@ impl Block {
             spec("mlp.c_proj", f, d, LinearKind::MlpDown, residual_gain),
         ];
         let [qkv, out, up, down] = &specs;
+        let ln_1 = Norm::new(init, &format!("h.{i}.ln_1"), d, eps)?;
+        let c_attn = factory.linear(init, qkv)?;
+        let attn_proj = factory.linear(init, out)?;
+        let ln_2 = Norm::new(init, &format!("h.{i}.ln_2"), d, eps)?;
+        let c_fc = factory.linear(init, up)?;
+        let mlp_proj = factory.linear(init, down)?;
+        let layers = [&c_attn, &attn_proj, &c_fc, &mlp_proj];
+        // a layer with parameters of its own (a LoRA adapter) says how they split; a plain one
+        // has its spec's weight and bias
+        let splits = specs
+            .iter()
+            .zip(layers)
+            .flat_map(|(s, l)| l.param_splits().unwrap_or_else(|| s.param_splits()))
+            .collect();
+        let kinds = specs
+            .iter()
+            .zip(layers)
+            .flat_map(|(s, l)| l.param_kinds().unwrap_or_else(|| s.param_kinds()))
+            .collect();
         Ok(Self {
-            ln_1: Norm::new(init, &format!("h.{i}.ln_1"), d, eps)?,
-            c_attn: factory.linear(init, qkv)?,
-            attn_proj: factory.linear(init, out)?,
-            ln_2: Norm::new(init, &format!("h.{i}.ln_2"), d, eps)?,
-            c_fc: factory.linear(init, up)?,
-            mlp_proj: factory.linear(init, down)?,
+            ln_1,
+            c_attn,
+            attn_proj,
+            ln_2,
+            c_fc,
+            mlp_proj,
             head_dim: cfg.head_dim(),
-            splits: specs.iter().flat_map(LinearSpec::param_splits).collect(),
-            kinds: specs.iter().flat_map(LinearSpec::param_kinds).collect(),
+            splits,
+            kinds,
         })
     }
 
@@ -248,6 +268,11 @@ impl Block {
 /// stream keyed by `(seed, name)` ([`crate::keyed_rng`]), so the weights do not depend on
 /// construction order or on the layer factory.
 ///
+/// Frozen parameters ([`Gpt::freeze`], PyTorch's `requires_grad_(False)`) stay in
+/// [`Gpt::named_parameters`] but leave the lists a training engine takes
+/// ([`Gpt::segment_param_lists`], [`Gpt::param_splits`], [`Gpt::param_kinds`]): the forward
+/// reads them as constants, so no gradient is computed for them and no optimizer state exists.
+///
 /// Segments: [`Gpt::embed`], [`Gpt::block`] and [`Gpt::head_loss`] run the model piecewise;
 /// [`Gpt::forward`] and [`Gpt::loss`] compose them. The tied `wte` is owned by
 /// [`Segment::Embed`] (listed by [`Gpt::segment_parameters`]) and also read by
@@ -264,6 +289,24 @@ pub struct Gpt {
     /// The tensor-parallel group when the model is split (vocab-parallel `wte`, column- and
     /// row-parallel linear layers).
     tp: Option<TpComm>,
+    /// Frozen parameters by name, as constants sharing the variables' storage.
+    frozen: HashMap<String, Tensor>,
+}
+
+/// A parameter source that answers frozen names with the model's constants and every other
+/// name from the source the call was given.
+struct WithFrozen<'a> {
+    inner: &'a dyn ParamSource,
+    frozen: &'a HashMap<String, Tensor>,
+}
+
+impl ParamSource for WithFrozen<'_> {
+    fn param(&self, name: &str) -> Result<Tensor> {
+        match self.frozen.get(name) {
+            Some(t) => Ok(t.clone()),
+            None => self.inner.param(name),
+        }
+    }
 }
 
 fn check_compute_dtype(dtype: DType) -> Result<()> {
@@ -292,7 +335,19 @@ impl Gpt {
     /// model equals the `tp = 1` one at any degree.
     pub fn tensor_parallel(cfg: &GptConfig, opts: &GptOptions, tp: TpComm) -> Result<Self> {
         let factory = TensorParallelFactory::new(tp.clone(), cfg.n_heads);
-        let mut model = Self::build(cfg, opts, &factory, Some(&tp))?;
+        Self::tensor_parallel_with_factory(cfg, opts, tp, &factory)
+    }
+
+    /// [`Gpt::tensor_parallel`] with the linear layers from `factory`, which must build this
+    /// rank's Megatron shards over `tp` (a [`TensorParallelFactory`], or a wrapper around one
+    /// such as a LoRA factory); the embedding and head are vocab-parallel over `tp`.
+    pub fn tensor_parallel_with_factory(
+        cfg: &GptConfig,
+        opts: &GptOptions,
+        tp: TpComm,
+        factory: &dyn LayerFactory,
+    ) -> Result<Self> {
+        let mut model = Self::build(cfg, opts, factory, Some(&tp))?;
         model.tp = Some(tp);
         Ok(model)
     }
@@ -339,7 +394,58 @@ impl Gpt {
             blocks,
             ln_f,
             tp: None,
+            frozen: HashMap::new(),
         })
+    }
+
+    /// Freezes every parameter whose name `frozen` accepts and makes every other one trainable
+    /// (PyTorch's `requires_grad_`): frozen parameters keep their values, are read as constants
+    /// (no gradient is computed for them) and leave [`Gpt::segment_param_lists`],
+    /// [`Gpt::param_splits`] and [`Gpt::param_kinds`], so an engine built afterwards holds no
+    /// gradient buffer, master copy or optimizer state for them. Call it before building the
+    /// engine. Returns the number of frozen parameters (tensors).
+    pub fn freeze(&mut self, frozen: impl Fn(&str) -> bool) -> usize {
+        self.frozen = self
+            .named_parameters()
+            .into_iter()
+            .filter(|(n, _)| frozen(n))
+            .map(|(n, v)| (n, v.as_tensor().detach()))
+            .collect();
+        self.frozen.len()
+    }
+
+    /// Makes every parameter trainable again.
+    pub fn unfreeze_all(&mut self) {
+        self.frozen.clear();
+    }
+
+    /// Whether the parameter called `name` is frozen.
+    pub fn is_frozen(&self, name: &str) -> bool {
+        self.frozen.contains_key(name)
+    }
+
+    /// The parameters that train (not frozen), in [`Gpt::named_parameters`] order.
+    pub fn trainable_parameters(&self) -> Vec<(String, Var)> {
+        self.named_parameters()
+            .into_iter()
+            .filter(|(n, _)| !self.is_frozen(n))
+            .collect()
+    }
+
+    /// The number of trainable elements held by this rank.
+    pub fn num_trainable_parameters(&self) -> usize {
+        self.trainable_parameters()
+            .iter()
+            .map(|(_, v)| v.elem_count())
+            .sum()
+    }
+
+    /// `p` with the frozen parameters answered by the model's constants.
+    fn source<'a>(&'a self, p: &'a dyn ParamSource) -> WithFrozen<'a> {
+        WithFrozen {
+            inner: p,
+            frozen: &self.frozen,
+        }
     }
 
     /// The tensor-parallel group, when the model is split.
@@ -347,26 +453,36 @@ impl Gpt {
         self.tp.as_ref()
     }
 
-    /// Per segment (in execution order), every parameter the segment reads: its own and the
-    /// tied ones (the head lists `wte` too). The input of `kiln_parallel::DataParallel::new`.
+    /// Per segment (in execution order), every trainable parameter the segment reads: its own
+    /// and the tied ones (the head lists `wte` too); frozen ones are left out. The input of
+    /// `kiln_parallel::DataParallel::new`.
     pub fn segment_param_lists(&self) -> Vec<Vec<(String, Var)>> {
         self.segments()
             .into_iter()
             .map(|s| {
                 let mut v = self.segment_parameters(s);
                 v.extend(self.tied_parameters(s));
+                v.retain(|(n, _)| !self.is_frozen(n));
                 v
             })
             .collect()
     }
 
-    /// Every parameter with how it is split over tensor-parallel ranks: the vocab-parallel
-    /// `wte` by rows, each linear layer as its [`LinearSpec::param_splits`] says, the position
-    /// embedding and the LayerNorms replicated. The same list at every degree (tp = 1
-    /// included), in [`Gpt::named_parameters`] order; data-parallel engines use it to count
-    /// replicated gradients once in the global norm and to lay out checkpoints.
+    /// Every trainable parameter with how it is split over tensor-parallel ranks: the
+    /// vocab-parallel `wte` by rows, each linear layer as its [`LinearSpec::param_splits`] (or
+    /// the layer itself, [`LinearLayer::param_splits`]) says, the position embedding and the
+    /// LayerNorms replicated. The same list at every degree (tp = 1 included), in
+    /// [`Gpt::named_parameters`] order; data-parallel engines use it to count replicated
+    /// gradients once in the global norm and to lay out checkpoints.
     pub fn param_splits(&self) -> Vec<(String, TpSplit)> {
-        let linear: std::collections::HashMap<&str, TpSplit> = self
+        let mut all = self.all_param_splits();
+        all.retain(|(n, _)| !self.is_frozen(n));
+        all
+    }
+
+    /// [`Gpt::param_splits`] of every parameter, frozen ones included.
+    pub fn all_param_splits(&self) -> Vec<(String, TpSplit)> {
+        let linear: HashMap<&str, TpSplit> = self
             .blocks
             .iter()
             .flat_map(|b| b.splits.iter().map(|(n, s)| (n.as_str(), *s)))
@@ -387,17 +503,17 @@ impl Gpt {
             .collect()
     }
 
-    /// Every parameter with what it is, for the optimizer's parameter groups
+    /// Every trainable parameter with what it is, for the optimizer's parameter groups
     /// ([`kiln_optim::WeightDecayGroups`]): `wte` and `wpe` embeddings, each linear layer's
-    /// weight and bias as its [`LinearSpec::param_kinds`] says, the LayerNorms' gains and
-    /// shifts norms. In [`Gpt::named_parameters`] order.
+    /// weight and bias as its [`LinearSpec::param_kinds`] (or the layer itself) says, the
+    /// LayerNorms' gains and shifts norms. In [`Gpt::named_parameters`] order.
     pub fn param_kinds(&self) -> Vec<(String, ParamKind)> {
-        let linear: std::collections::HashMap<&str, ParamKind> = self
+        let linear: HashMap<&str, ParamKind> = self
             .blocks
             .iter()
             .flat_map(|b| b.kinds.iter().map(|(n, k)| (n.as_str(), *k)))
             .collect();
-        self.named_parameters()
+        self.trainable_parameters()
             .into_iter()
             .map(|(n, _)| {
                 let kind = match n.as_str() {
@@ -413,17 +529,18 @@ impl Gpt {
     /// [`Gpt::named_parameters`] does, with the shape of the `tp = 1` model (a checkpoint's
     /// fused QKV `[3, d, in]` is accepted for `[3d, in]`: the same bytes); this rank keeps its
     /// tensor-parallel shard ([`Gpt::param_splits`]), converted to the parameters' dtype. What
-    /// [`crate::hf::load_hf_dir`] and a consolidated checkpoint give. Every parameter must be
-    /// given once; a missing, unknown or misshapen tensor is an error naming it.
+    /// [`crate::hf::load_hf_dir`] and a consolidated checkpoint give. Every parameter of the
+    /// architecture must be given once (frozen or not); parameters a layer adds of its own (a
+    /// LoRA adapter's) are not part of it and keep their values. A missing, unknown or
+    /// misshapen tensor is an error naming it.
     pub fn load_full_parameters(&self, params: &[(String, kiln_state::TensorData)]) -> Result<()> {
         let (tp, rank) = self
             .tp
             .as_ref()
             .map_or((1, 0), |c| (c.world_size(), c.rank()));
-        let whole: std::collections::HashMap<String, Vec<usize>> =
+        let whole: HashMap<String, Vec<usize>> =
             crate::hf::gpt_param_shapes(&self.cfg).into_iter().collect();
-        let mut given: std::collections::HashMap<&str, &kiln_state::TensorData> =
-            std::collections::HashMap::new();
+        let mut given: HashMap<&str, &kiln_state::TensorData> = HashMap::new();
         for (n, t) in params {
             if !whole.contains_key(n) {
                 return Err(ModelError::HfTensor {
@@ -438,9 +555,12 @@ impl Gpt {
                 });
             }
         }
-        let vars: std::collections::HashMap<String, Var> =
-            self.named_parameters().into_iter().collect();
-        for (name, split) in self.param_splits() {
+        let vars: HashMap<String, Var> = self.named_parameters().into_iter().collect();
+        for (name, split) in self.all_param_splits() {
+            if !whole.contains_key(&name) {
+                // a layer's own parameter (an adapter), not the architecture's
+                continue;
+            }
             let bad = |reason: String| ModelError::HfTensor {
                 tensor: name.clone(),
                 reason,
@@ -612,6 +732,7 @@ impl Gpt {
 
     /// [`Gpt::embed`] with `wte` and `wpe` read from `p`.
     pub fn embed_with(&self, tokens: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+        let p = &self.source(p);
         let (b, t) = self.check_tokens("embed", "tokens", tokens)?;
         let ids = tokens.flatten_all()?;
         let vocab = self.cfg.vocab_size;
@@ -646,7 +767,7 @@ impl Gpt {
             index: i,
             n_blocks: self.blocks.len(),
         })?;
-        blk.forward_with(x, &blk.own())
+        blk.forward_with(x, &self.source(&blk.own()))
     }
 
     /// [`Gpt::block`] with the block's parameters read from `p`.
@@ -655,7 +776,7 @@ impl Gpt {
             index: i,
             n_blocks: self.blocks.len(),
         })?;
-        blk.forward_with(x, p)
+        blk.forward_with(x, &self.source(p))
     }
 
     /// `Head`: hidden states `[b, t, d]` to logits `[b, t, vocab]` in the compute dtype
@@ -671,6 +792,7 @@ impl Gpt {
     /// This rank's logits `[b, t, vocab / tp]` (all of them without tensor parallelism), with
     /// `ln_f` and `wte` read from `p`.
     pub fn head_logits_local(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+        let p = &self.source(p);
         let (b, t, d) = x.dims3()?;
         let h = self.ln_f.forward_with(x, p)?.reshape((b * t, d))?;
         let w = p.param("wte")?.to_dtype(h.dtype())?;
