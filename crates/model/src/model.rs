@@ -789,6 +789,12 @@ impl Gpt {
         }
     }
 
+    /// The final LayerNorm `ln_f` of hidden states `[b, t, d]`, with its weights read from `p`:
+    /// what the LM head multiplies by `wte`, and what a scalar head (a reward model's) reads.
+    pub fn final_norm_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+        self.ln_f.forward_with(x, &self.source(p))
+    }
+
     /// This rank's logits `[b, t, vocab / tp]` (all of them without tensor parallelism), with
     /// `ln_f` and `wte` read from `p`.
     pub fn head_logits_local(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {

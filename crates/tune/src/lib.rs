@@ -2,8 +2,21 @@
 //! and int8 quantization-aware training.
 #![deny(missing_docs)]
 
+pub mod batch;
+pub mod dpo;
 mod error;
+pub mod logprob;
 pub mod lora;
+pub mod reward;
+pub mod synthetic;
 
+pub use batch::{
+    encode_row, preference_batch, sft_batch, Example, ExampleLoader, PreferencePair, RowBatch,
+    IGNORE_INDEX, PAD_ID,
+};
+pub use dpo::{dpo_loss, DpoConfig, DpoObjective, DpoStats};
 pub use error::{Result, TuneError};
+pub use logprob::{log_sigmoid, model_log_probs, sequence_log_probs};
 pub use lora::{is_adapter_param, lora_gpt, Lora, LoraConfig, LoraFactory, LoraLinear, LoraTarget};
+pub use reward::{RewardModel, RewardStats, SCORE_WEIGHT};
+pub use synthetic::{answer_quality, last_word_pairs, reverse_examples, AnswerQuality};
