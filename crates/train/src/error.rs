@@ -94,6 +94,9 @@ pub enum TrainError {
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(Box<candle_core::Error>),
+    /// A post-training component (LoRA, DPO, QAT) failed.
+    #[error(transparent)]
+    Tune(Box<kiln_tune::TuneError>),
     /// An i/o error without a path.
     #[error(transparent)]
     Io(Box<std::io::Error>),
@@ -132,6 +135,7 @@ boxed_from!(
     Optim: kiln_optim::OptimError,
     Candle: candle_core::Error,
     Io: std::io::Error,
+    Tune: kiln_tune::TuneError,
 );
 
 impl From<kiln_state::StateError> for TrainError {

@@ -8,6 +8,7 @@ use kiln_memory::SegmentedModel;
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_optim::ParamKind;
 use kiln_parallel::tp::TpSplit;
+use kiln_tune::{lora_gpt, Lora};
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 
@@ -121,19 +122,30 @@ impl ModelContext<'_> {
     /// rank; with [`crate::ModelSection::init_from`], its weights are then read from that
     /// checkpoint or Hugging Face folder.
     pub fn build_gpt(&self) -> Result<Gpt> {
+        Ok(self.build_gpt_lora()?.0)
+    }
+
+    /// [`ModelContext::build_gpt`], with the handle to the LoRA adapters when
+    /// [`crate::ModelSection::lora`] is set (the base weights, seeded or from `init_from`,
+    /// frozen; only the adapters train): keep it to merge the adapters or save them alone.
+    pub fn build_gpt_lora(&self) -> Result<(Gpt, Option<Lora>)> {
         let cfg = self.config.gpt_config()?;
         let opts = GptOptions::seeded(self.config.seed)
             .with_compute_dtype(self.config.precision.dtype())
             .with_device(self.config.device.device()?);
-        let model = if self.tp.world_size() > 1 {
-            Gpt::tensor_parallel(&cfg, &opts, self.tp.clone())?
-        } else {
-            Gpt::new(&cfg, &opts)?
+        let tp = (self.tp.world_size() > 1).then(|| self.tp.clone());
+        let (model, lora) = match (&self.config.model.lora, tp) {
+            (Some(lc), tp) => {
+                let (m, l) = lora_gpt(&cfg, &opts, lc, tp)?;
+                (m, Some(l))
+            }
+            (None, Some(tp)) => (Gpt::tensor_parallel(&cfg, &opts, tp)?, None),
+            (None, None) => (Gpt::new(&cfg, &opts)?, None),
         };
         if let Some(path) = &self.config.model.init_from {
             crate::Pretrained::load(path)?.load_into(&model)?;
         }
-        Ok(model)
+        Ok((model, lora))
     }
 }
 

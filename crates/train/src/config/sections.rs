@@ -9,6 +9,7 @@ use kiln_monitor::{BreakerPolicy, SpikeConfig};
 use kiln_optim::{AdamWConfig, OptimizerConfig, ScheduleConfig, WeightDecayGroups};
 use kiln_parallel::Stage;
 use kiln_precision::{ComputeDType, DynamicScalerConfig};
+use kiln_tune::LoraConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -34,6 +35,10 @@ pub struct ModelSection {
     /// read (the optimizer, the data position and the step start afresh, as fine-tuning
     /// does); the architecture above must match theirs. None: a fresh model.
     pub init_from: Option<PathBuf>,
+    /// Fine-tunes LoRA adapters instead of the whole model (kiln-tune's [`LoraConfig`]): the
+    /// base (seeded, or read from `init_from`) is frozen and only the adapters train, so
+    /// checkpoints hold the adapters alone. None: every parameter trains.
+    pub lora: Option<LoraConfig>,
 }
 
 impl Default for ModelSection {
@@ -46,6 +51,7 @@ impl Default for ModelSection {
             n_layers: None,
             n_heads: None,
             init_from: None,
+            lora: None,
         }
     }
 }

@@ -16,6 +16,10 @@ impl RunConfig {
         model
             .validate()
             .map_err(|e| TrainError::config("RunConfig.model", e.to_string()))?;
+        if let Some(lora) = &self.model.lora {
+            lora.validate()
+                .map_err(|e| TrainError::config("RunConfig.model.lora", e.to_string()))?;
+        }
         if self.device.is_cuda() && !cfg!(feature = "cuda") {
             return bad(
                 "device",
