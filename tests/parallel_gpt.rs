@@ -77,5 +77,5 @@ fn equivalence_suite_on_thread_ranks() {
     for line in &outs[0] {
         println!("{line}");
     }
-    assert_eq!(outs[0].len(), 4, "{:?}", outs[0]);
+    assert_eq!(outs[0].len(), 6, "{:?}", outs[0]);
 }

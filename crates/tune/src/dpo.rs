@@ -322,24 +322,16 @@ impl SegmentedModel for DpoObjective<'_> {
         targets: &Tensor,
         params: &SegmentParams,
     ) -> candle_core::Result<Tensor> {
-        let n = self.policy.n_blocks();
-        if i == 0 {
-            self.policy
-                .embed_with(input, params)
-                .map_err(candle_core::Error::wrap)
-        } else if i <= n {
-            self.policy
-                .block_with(i - 1, input, params)
-                .map_err(candle_core::Error::wrap)
-        } else {
-            let (loss, s) = self
-                .head(input, targets, params)
-                .map_err(candle_core::Error::wrap)?;
-            match self.stats.lock() {
-                Ok(mut g) => g.add(&s),
-                Err(p) => p.into_inner().add(&s),
-            }
-            Ok(loss)
+        if let Some(out) = crate::logprob::trunk_segment(self.policy, i, input, params) {
+            return out;
         }
+        let (loss, s) = self
+            .head(input, targets, params)
+            .map_err(candle_core::Error::wrap)?;
+        match self.stats.lock() {
+            Ok(mut g) => g.add(&s),
+            Err(p) => p.into_inner().add(&s),
+        }
+        Ok(loss)
     }
 }

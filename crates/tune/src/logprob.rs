@@ -62,3 +62,22 @@ pub fn model_log_probs(model: &Gpt, inputs: &Tensor, targets: &Tensor) -> Result
     let lp = sequence_log_probs(model, &x, targets, &model.named_parameters())?;
     Ok(lp.detach().to_dtype(DType::F32)?.to_vec1()?)
 }
+
+/// Segment `i` of a GPT run as kiln-memory's segments when it is the embedding or a block
+/// (`Some`); `None` for the last segment, whose head the objective supplies.
+pub(crate) fn trunk_segment(
+    gpt: &Gpt,
+    i: usize,
+    input: &Tensor,
+    params: &kiln_memory::SegmentParams,
+) -> Option<candle_core::Result<Tensor>> {
+    let n = gpt.n_blocks();
+    let out = if i == 0 {
+        gpt.embed_with(input, params)
+    } else if i <= n {
+        gpt.block_with(i - 1, input, params)
+    } else {
+        return None;
+    };
+    Some(out.map_err(candle_core::Error::wrap))
+}

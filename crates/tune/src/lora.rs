@@ -15,6 +15,7 @@
 //! `tp = 1` one at any degree.
 
 use crate::error::{Result, TuneError};
+use crate::shared::Shared;
 use candle_core::{DType, Tensor, Var};
 use kiln_comm::{CommExt, Communicator};
 use kiln_model::{
@@ -375,28 +376,6 @@ impl LinearLayer for LoraLinear {
             k.push((part.b_name.clone(), ParamKind::Weight));
         }
         Some(k)
-    }
-}
-
-/// The layer [`LoraFactory`] hands to the model: a shared handle, so [`Lora`] reaches it.
-#[derive(Debug)]
-struct Shared(Arc<LoraLinear>);
-
-impl LinearLayer for Shared {
-    fn forward_with(&self, x: &Tensor, params: &dyn ParamSource) -> kiln_model::Result<Tensor> {
-        self.0.forward_with(x, params)
-    }
-    fn parameters(&self) -> Vec<(String, Var)> {
-        self.0.parameters()
-    }
-    fn local_out_features(&self) -> usize {
-        self.0.local_out_features()
-    }
-    fn param_splits(&self) -> Option<Vec<(String, TpSplit)>> {
-        self.0.param_splits()
-    }
-    fn param_kinds(&self) -> Option<Vec<(String, ParamKind)>> {
-        self.0.param_kinds()
     }
 }
 

@@ -19,6 +19,7 @@
 //! input passes unquantized.
 
 use crate::error::{Result, TuneError};
+use crate::shared::Shared;
 use candle_core::{DType, Tensor, Var};
 use kiln_comm::{CommExt, Communicator, ReduceOp};
 use kiln_model::{
@@ -232,35 +233,6 @@ impl LinearLayer for QatLinear {
                 .param_kinds()
                 .unwrap_or_else(|| self.spec.param_kinds()),
         )
-    }
-}
-
-/// The layer [`QatFactory`] hands to the model: a shared handle, so [`Qat`] reaches it.
-#[derive(Debug)]
-struct Shared(Arc<QatLinear>);
-
-impl LinearLayer for Shared {
-    fn forward_with(&self, x: &Tensor, params: &dyn ParamSource) -> kiln_model::Result<Tensor> {
-        self.0.forward_with(x, params)
-    }
-    fn forward_gelu_with(
-        &self,
-        x: &Tensor,
-        params: &dyn ParamSource,
-    ) -> kiln_model::Result<Tensor> {
-        self.0.forward_gelu_with(x, params)
-    }
-    fn parameters(&self) -> Vec<(String, Var)> {
-        self.0.parameters()
-    }
-    fn local_out_features(&self) -> usize {
-        self.0.local_out_features()
-    }
-    fn param_splits(&self) -> Option<Vec<(String, TpSplit)>> {
-        self.0.param_splits()
-    }
-    fn param_kinds(&self) -> Option<Vec<(String, ParamKind)>> {
-        self.0.param_kinds()
     }
 }
 

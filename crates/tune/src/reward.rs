@@ -240,18 +240,10 @@ impl SegmentedModel for RewardModel {
         targets: &Tensor,
         params: &SegmentParams,
     ) -> candle_core::Result<Tensor> {
-        let n = self.gpt.n_blocks();
-        if i == 0 {
-            self.gpt
-                .embed_with(input, params)
-                .map_err(candle_core::Error::wrap)
-        } else if i <= n {
-            self.gpt
-                .block_with(i - 1, input, params)
-                .map_err(candle_core::Error::wrap)
-        } else {
-            self.head(input, targets, params)
-                .map_err(candle_core::Error::wrap)
+        if let Some(out) = crate::logprob::trunk_segment(&self.gpt, i, input, params) {
+            return out;
         }
+        self.head(input, targets, params)
+            .map_err(candle_core::Error::wrap)
     }
 }

@@ -5,7 +5,11 @@
 //! tp = 1, and dropout that a recomputed forward draws again.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use candle_core::{DType, Device, Tensor};
+mod common;
+
+use common::{batch, flat, python_json};
+
+use candle_core::{Device, Tensor};
 use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState};
 use kiln_ckpt::{ReshardRequest, Stateful};
 use kiln_comm::{Communicator, ThreadComm};
@@ -16,25 +20,6 @@ use kiln_precision::NoScaler;
 use kiln_testkit::{assert_close, run_ranks};
 use kiln_tune::{is_adapter_param, lora_gpt, LoraConfig, LoraTarget};
 use std::sync::Arc;
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
-fn batch(b: usize, t: usize, vocab: usize, salt: usize) -> (Tensor, Tensor) {
-    let tok = |i: usize| ((i * 2654435761 + salt * 7919) >> 7) % vocab;
-    let x: Vec<u32> = (0..b * t).map(|i| tok(i) as u32).collect();
-    let y: Vec<u32> = (0..b * t).map(|i| tok(i + 1) as u32).collect();
-    (
-        Tensor::from_vec(x, (b, t), &Device::Cpu).unwrap(),
-        Tensor::from_vec(y, (b, t), &Device::Cpu).unwrap(),
-    )
-}
 
 fn all_targets(rank: usize) -> LoraConfig {
     LoraConfig {
@@ -383,26 +368,11 @@ t = load_file(sys.argv[1])
 print(json.dumps({k: [list(v.shape), float(v.astype("float64").sum())] for k, v in t.items()}))
 "#;
     let path = dir.join(kiln_tune::lora::ADAPTER_WEIGHTS_FILE);
-    let out = std::process::Command::new("python3")
-        .args(["-c", script])
-        .arg(&path)
-        .output();
-    let ok = matches!(&out, Ok(o) if o.status.success());
-    if !ok {
-        let why = match &out {
-            Ok(o) => String::from_utf8_lossy(&o.stderr).to_string(),
-            Err(e) => e.to_string(),
-        };
-        assert!(
-            std::env::var("CI").ok().as_deref() != Some("true"),
-            "python3 with safetensors is required under CI: {why}"
-        );
-        println!("skipped: python3 with safetensors is not installed ({why})");
+    let Some(read) =
+        python_json::<std::collections::BTreeMap<String, (Vec<usize>, f64)>>(script, &path)
+    else {
         return;
-    }
-    let stdout = String::from_utf8(out.unwrap().stdout).unwrap();
-    let read: std::collections::BTreeMap<String, (Vec<usize>, f64)> =
-        serde_json::from_str(stdout.trim()).unwrap();
+    };
     assert_eq!(read.len(), lora.parameters().len());
     for (n, v) in lora.parameters() {
         let (shape, sum) = &read[&n];

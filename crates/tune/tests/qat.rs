@@ -5,7 +5,11 @@
 //! inference path to the fake-quantized model's logits.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use candle_core::{DType, Device, Tensor, Var};
+mod common;
+
+use common::{batch, flat, python_json};
+
+use candle_core::{Device, Tensor, Var};
 use kiln_comm::{Communicator, ThreadComm};
 use kiln_model::{GptConfig, GptOptions};
 use kiln_parallel::{DataParallel, DataParallelConfig};
@@ -16,25 +20,6 @@ use kiln_tune::{
     export_int8, fake_quantize, load_int8, qat_gpt, quantize_weight, weight_scales, QatConfig,
 };
 use std::sync::Arc;
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
-fn batch(b: usize, t: usize, vocab: usize, salt: usize) -> (Tensor, Tensor) {
-    let tok = |i: usize| ((i * 2654435761 + salt * 7919) >> 7) % vocab;
-    let x: Vec<u32> = (0..b * t).map(|i| tok(i) as u32).collect();
-    let y: Vec<u32> = (0..b * t).map(|i| tok(i + 1) as u32).collect();
-    (
-        Tensor::from_vec(x, (b, t), &Device::Cpu).unwrap(),
-        Tensor::from_vec(y, (b, t), &Device::Cpu).unwrap(),
-    )
-}
 
 #[test]
 fn the_straight_through_estimator_is_identity_inside_the_clip_range_and_zero_outside() {
@@ -286,25 +271,10 @@ from safetensors.numpy import load_file
 t = load_file(sys.argv[1])
 print(json.dumps({k: [str(v.dtype), int(v.astype("int64").sum()) if v.dtype.kind == "i" else 0] for k, v in t.items()}))
 "#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script])
-        .arg(path)
-        .output();
-    let ok = matches!(&out, Ok(o) if o.status.success());
-    if !ok {
-        let why = match &out {
-            Ok(o) => String::from_utf8_lossy(&o.stderr).to_string(),
-            Err(e) => e.to_string(),
-        };
-        assert!(
-            std::env::var("CI").ok().as_deref() != Some("true"),
-            "python3 with safetensors is required under CI: {why}"
-        );
-        println!("skipped: python3 with safetensors is not installed ({why})");
+    let Some(read) = python_json::<std::collections::BTreeMap<String, (String, i64)>>(script, path)
+    else {
         return;
-    }
-    let read: std::collections::BTreeMap<String, (String, i64)> =
-        serde_json::from_slice(&out.unwrap().stdout).unwrap();
+    };
     assert_eq!(read.len(), st.len());
     let mut int8 = 0;
     for (name, (dtype, sum)) in &read {
