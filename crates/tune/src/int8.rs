@@ -365,9 +365,10 @@ impl LayerFactory for Int8Factory<'_> {
     }
 }
 
-/// Reads an [`export_int8`] file into a GPT whose block linear layers run in int8 (on the CPU;
-/// `opts` gives the seed of nothing and the compute dtype of the rest, f32 by default). Its
-/// `forward` gives the int8 model's logits.
+/// Reads an [`export_int8`] file into a GPT whose block linear layers run in int8. The model
+/// is built on the CPU, where the integer kernels run, whatever `opts.device` says; `opts`
+/// sets the compute dtype of the floating-point parts (f32 by default). Its `forward` gives
+/// the int8 model's logits.
 pub fn load_int8(path: &Path, opts: &GptOptions) -> Result<Gpt> {
     let file = path.display().to_string();
     let bytes = std::fs::read(path).map_err(|e| TuneError::io(path, e))?;
