@@ -9,6 +9,10 @@
 //!
 //! Run: `cargo run --release --example bench_checkpointing` (`-- --batch N --layers N`).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use candle_core::{Device, Tensor};
 use kiln_memory::{CheckpointPolicy, CollectGrads, Executor, SegmentParams, StaticParams};
 use kiln_model::{Gpt, GptConfig, GptOptions};

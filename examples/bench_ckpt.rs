@@ -11,6 +11,10 @@
 //! Files go to a fresh directory under the system temp dir, removed at the end.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use kiln_ckpt::{
     CheckpointConfig, Checkpointer, DType, Layout, LocalFs, RankState, Retention, StateDict,
     Stateful, Storage, TensorSpec,

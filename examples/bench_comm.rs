@@ -20,6 +20,10 @@
 //! `--backend nccl`. It first checks each collective's result on device buffers (rank r
 //! contributes r + 1), then times them on device buffers; `memcpy_gbps` is then the host's.
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use kiln_comm::{spawn, CommError, CommExt, Communicator, ReduceOp};
 use std::time::Instant;
 

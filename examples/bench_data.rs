@@ -12,6 +12,10 @@
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::Context;
 use kiln_data::{
     default_cache_dir, prepare_corpus, DataLoader, LoaderConfig, PrepareConfig, TokenDropout,

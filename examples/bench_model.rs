@@ -7,6 +7,10 @@
 //! avoid page-faulting fresh tensors every step).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::Result;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};

@@ -6,6 +6,10 @@
 //! Prints one JSON line per measurement.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use indicatif::ProgressBar;
 use kiln_monitor::{
     BatchInfo, BreakerPolicy, CircuitBreaker, ConsoleSink, DetectorSet, JsonlSink, MetricSink,

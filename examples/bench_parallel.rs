@@ -9,6 +9,10 @@
 //! Run: `cargo run --release --example bench_parallel` (`-- --steps N`, `--preset tiny`,
 //! `--dtype f16|bf16` for the compute dtype, `--only dp2_tp2_zero1` for one configuration).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use candle_core::{Device, Tensor};
 use kiln_comm::{spawn, Communicator, ThreadComm};
 use kiln_model::{Gpt, GptConfig, GptOptions};

@@ -8,6 +8,10 @@
 //! Run: `cargo run --release --example dpo` (flags: `--dp 2`, `--tp 1`, `--zero 1`, `--steps
 //! 150`, `--reward-steps 100`, `--beta 0.1`, `--lr 3e-3`, `--out runs/dpo`, `--resume`).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState};

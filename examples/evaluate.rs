@@ -13,6 +13,10 @@
 //! 65536), `--batch B` (windows per forward pass, default 4), `--tokenizer PATH` (a
 //! `tokenizer.json`, when the folder has none), `--device cpu|cuda:N` (default cpu).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[path = "common/model_cli.rs"]
 mod model_cli;
 

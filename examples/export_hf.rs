@@ -10,6 +10,10 @@
 //! `CHECKPOINT` is a folder of checkpoints (`runs/train_gpt/checkpoints`: its newest step),
 //! its `latest` file, or one `step-NNNNNNNN` folder.
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{bail, Context};
 use kiln_model::hf;
 use kiln_train::Pretrained;

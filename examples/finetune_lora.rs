@@ -11,6 +11,10 @@
 //! 300`, `--steps 200`, `--dp 2`, `--tp 1`, `--rank 8`, `--lr 5e-3`, `--out runs/finetune_lora`,
 //! `--resume`).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{bail, Context, Result};
 use kiln_memory::{MemPrecision, MemoryPlan, ShardingStage};
 use kiln_model::{GptConfig, PRESET_NAMES};

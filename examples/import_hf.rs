@@ -10,6 +10,10 @@
 //! The corpus is tokenized with the folder's `tokenizer.json` (`data.tokenizer`), so the model
 //! sees the token ids it was trained with.
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{bail, Context};
 use kiln_model::hf;
 use kiln_train::{run_with, RunConfig, Trainer};

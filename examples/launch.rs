@@ -12,6 +12,10 @@
 //! Across nodes, run it on each node with `--nnodes N --node-rank K --master-addr HOST`
 //! (under Slurm, `srun` sets the variables itself: no launcher needed).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use kiln_comm::launch::LocalLaunch;
 use std::ffi::OsString;
 

@@ -8,6 +8,10 @@
 //! `tensorboard --logdir OUT_DIR/tb`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use kiln_monitor::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

@@ -9,6 +9,10 @@
 //! (other presets: `gpt3_small` ... `gpt3_6_7b`, `small_cpu`, `tiny`; `--micro-batch N`,
 //! `--precision f32`).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use kiln_memory::{MemPrecision, MemoryPlan, ShardingStage};
 use kiln_model::GptConfig;
 

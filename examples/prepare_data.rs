@@ -11,6 +11,10 @@
 //! `data/` folder.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{bail, Context};
 use kiln_data::{default_cache_dir, prepare_corpus, PrepareConfig};
 use std::path::PathBuf;

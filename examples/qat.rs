@@ -9,6 +9,10 @@
 //! Run: `cargo run --release --example qat` (flags: `--from DIR`, `--pretrain-steps 300`,
 //! `--steps 150`, `--dp 2`, `--lr 1e-3`, `--out runs/qat`).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LocalFs, RankState, Stateful, Step};

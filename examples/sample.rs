@@ -12,6 +12,10 @@
 //! when the folder has none), `--device cpu|cuda:N` (default cpu), `--ids` (also print the
 //! generated token ids on a line starting `ids:`).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[path = "common/model_cli.rs"]
 mod model_cli;
 

@@ -11,6 +11,10 @@
 //! As 4 processes over MPI (one rank each): `cargo build --release --features mpi --example
 //! train_gpt`, then `mpirun -np 4 target/release/examples/train_gpt --backend mpi`.
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[path = "common/gpt_run.rs"]
 mod gpt_run;
 

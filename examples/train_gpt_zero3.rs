@@ -5,6 +5,10 @@
 //!
 //! Run: `cargo run --release --example train_gpt_zero3` (same flags as `train_gpt`).
 
+// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[path = "common/gpt_run.rs"]
 mod gpt_run;
 

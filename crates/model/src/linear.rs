@@ -211,9 +211,10 @@ impl DenseLinear {
     }
 }
 
-/// `x W^T + b` for `x` `[.., in]`, computing in `x`'s dtype.
+/// `x W^T + b` for `x` `[.., in]`, computing in `x`'s dtype ([`kiln_parallel::tp::linear`]:
+/// on the CPU one fused op with its own backward).
 pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let (out_f, in_f) = weight.dims2()?;
+    let (_, in_f) = weight.dims2()?;
     let dims = x.dims();
     if dims.last() != Some(&in_f) {
         return Err(ModelError::Shape {
@@ -223,18 +224,7 @@ pub fn linear_forward(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Res
             got: format!("{dims:?}"),
         });
     }
-    let rows = x.elem_count() / in_f;
-    let w = weight.to_dtype(x.dtype())?;
-    let y = x.contiguous()?.reshape((rows, in_f))?.matmul(&w.t()?)?;
-    let y = match bias {
-        Some(b) => y.broadcast_add(&b.to_dtype(x.dtype())?)?,
-        None => y,
-    };
-    let mut out_dims = dims.to_vec();
-    if let Some(last) = out_dims.last_mut() {
-        *last = out_f;
-    }
-    Ok(y.reshape(out_dims)?)
+    Ok(kiln_parallel::tp::linear(x, weight, bias)?)
 }
 
 impl DenseLinear {

@@ -9,7 +9,7 @@ use crate::params::ParamSource;
 use crate::tp::TensorParallelFactory;
 use candle_core::{DType, Device, Tensor, Var};
 use kiln_optim::ParamKind;
-use kiln_parallel::tp::{self as tpops, TpComm, TpSplit};
+use kiln_parallel::tp::{self as tpops, with_matmul_precision, MatmulPrecision, TpComm, TpSplit};
 use std::collections::HashMap;
 
 /// How a [`Gpt`] is built and run, apart from its architecture.
@@ -23,6 +23,13 @@ pub struct GptOptions {
     pub param_dtype: DType,
     /// dtype of the forward and backward compute: the parameters are cast to it
     /// (differentiably) as they are used; f32, f16, bf16 or f64. The loss is f32 (f64 for f64).
+    ///
+    /// bf16 on the CPU computes as PyTorch's CPU autocast does where it pays: every matrix
+    /// product of the linear layers and the LM head takes bf16 operands with f32 accumulation
+    /// ([`kiln_parallel::tp::MatmulPrecision::Bf16`], the `avx512_bf16` dot product), while
+    /// the activations between them, their gradients and the normalisation, attention
+    /// softmax, GELU and loss stay f32 (candle's element-wise bf16 CPU kernels are slower than
+    /// its f32 ones). On CUDA every tensor of the forward is bf16.
     pub compute_dtype: DType,
     /// Targets equal to this id are left out of the loss (padding).
     pub ignore_index: Option<u32>,
@@ -612,6 +619,33 @@ impl Gpt {
         self.opts.compute_dtype
     }
 
+    /// The dtype of the hidden states between segments: the compute dtype, except bf16 on the
+    /// CPU, which keeps f32 activations and multiplies in bf16 (see
+    /// [`GptOptions::compute_dtype`]).
+    pub fn activation_dtype(&self) -> DType {
+        if self.cpu_bf16() {
+            DType::F32
+        } else {
+            self.opts.compute_dtype
+        }
+    }
+
+    /// bf16 compute on the CPU: f32 tensors, bf16 matrix products.
+    fn cpu_bf16(&self) -> bool {
+        self.opts.compute_dtype == DType::BF16 && self.opts.device.is_cpu()
+    }
+
+    /// Runs `f` with bf16 matrix products when computing in bf16 on the CPU; otherwise under
+    /// the thread's own [`kiln_parallel::tp::matmul_precision`] (which a caller may set, as
+    /// PyTorch's `set_float32_matmul_precision` does for an f32 model).
+    fn in_precision<R>(&self, f: impl FnOnce() -> R) -> R {
+        if self.cpu_bf16() {
+            with_matmul_precision(MatmulPrecision::Bf16, f)
+        } else {
+            f()
+        }
+    }
+
     /// Switches the compute dtype (f32, f16, bf16, f64); the master parameters are unchanged.
     pub fn set_compute_dtype(&mut self, dtype: DType) -> Result<()> {
         check_compute_dtype(dtype)?;
@@ -758,7 +792,7 @@ impl Gpt {
         }
         .reshape((b, t, d))?;
         let pos = p.param("wpe")?.narrow(0, 0, t)?;
-        Ok(tok.broadcast_add(&pos)?.to_dtype(self.opts.compute_dtype)?)
+        Ok(tok.broadcast_add(&pos)?.to_dtype(self.activation_dtype())?)
     }
 
     /// `Block(i)`: hidden states `[b, t, d]` through transformer block `i`.
@@ -767,7 +801,7 @@ impl Gpt {
             index: i,
             n_blocks: self.blocks.len(),
         })?;
-        blk.forward_with(x, &self.source(&blk.own()))
+        self.in_precision(|| blk.forward_with(x, &self.source(&blk.own())))
     }
 
     /// [`Gpt::block`] with the block's parameters read from `p`.
@@ -776,11 +810,12 @@ impl Gpt {
             index: i,
             n_blocks: self.blocks.len(),
         })?;
-        blk.forward_with(x, &self.source(p))
+        self.in_precision(|| blk.forward_with(x, &self.source(p)))
     }
 
-    /// `Head`: hidden states `[b, t, d]` to logits `[b, t, vocab]` in the compute dtype
-    /// (gathered over the tensor-parallel group when the model is split).
+    /// `Head`: hidden states `[b, t, d]` to logits `[b, t, vocab]` in the activation dtype
+    /// ([`Gpt::activation_dtype`]; gathered over the tensor-parallel group when the model is
+    /// split).
     pub fn head_logits(&self, x: &Tensor) -> Result<Tensor> {
         let local = self.head_logits_local(x, &self.named_parameters())?;
         match &self.tp {
@@ -802,10 +837,10 @@ impl Gpt {
         let (b, t, d) = x.dims3()?;
         let h = self.ln_f.forward_with(x, p)?.reshape((b * t, d))?;
         let w = p.param("wte")?.to_dtype(h.dtype())?;
-        let logits = match &self.tp {
-            None => h.matmul(&w.t()?)?,
-            Some(c) => tpops::vocab_parallel_logits(&h, &w, c)?,
-        };
+        let logits = self.in_precision(|| match &self.tp {
+            None => kiln_parallel::tp::linear(&h, &w, None),
+            Some(c) => tpops::vocab_parallel_logits(&h, &w, c),
+        })?;
         let v = logits.dim(1)?;
         Ok(logits.reshape((b, t, v))?)
     }

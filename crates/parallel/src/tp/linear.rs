@@ -20,10 +20,17 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
     let rows = x.elem_count() / in_f;
     let w = weight.to_dtype(x.dtype())?;
-    let y = x.contiguous()?.reshape((rows, in_f))?.matmul(&w.t()?)?;
-    let y = match bias {
-        Some(b) => y.broadcast_add(&b.to_dtype(x.dtype())?)?,
-        None => y,
+    let x2 = x.contiguous()?.reshape((rows, in_f))?;
+    let y = if x.device().is_cpu() {
+        // one op, forward and backward (see `dense`)
+        let b = bias.map(|b| b.to_dtype(x.dtype())).transpose()?;
+        crate::tp::dense::linear_cpu(&x2, &w.contiguous()?, b.as_ref())?
+    } else {
+        let y = x2.matmul(&w.t()?)?;
+        match bias {
+            Some(b) => y.broadcast_add(&b.to_dtype(x.dtype())?)?,
+            None => y,
+        }
     };
     let mut out_dims = dims.to_vec();
     if let Some(last) = out_dims.last_mut() {

@@ -45,6 +45,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod bf16_gemm;
+mod dense;
 mod linear;
 mod ops;
 mod shard;
@@ -52,6 +54,7 @@ mod shard;
 mod staging;
 mod vocab;
 
+pub use dense::{matmul_precision, with_matmul_precision, MatmulPrecision};
 pub use linear::{
     column_parallel_linear, linear, row_parallel_linear, ColumnParallelLinear, RowParallelLinear,
 };

@@ -1,0 +1,723 @@
+//! The CPU linear op: `y = x W^T + b` as one candle op with its own backward, on the gemm
+//! crate's kernels called directly.
+//!
+//! Built from candle's ops, a linear layer is five graph nodes (reshape, transpose, matmul,
+//! broadcast add, reshape); candle's backward gives each node's input a gradient buffer that
+//! starts as `zeros_like` and is then added to, so one layer costs six activation-sized
+//! zero-fills and additions besides its three matrix products, and the bias gradient is a
+//! single-threaded column sum. Here the forward writes the bias into the output and lets the
+//! matrix product accumulate onto it, and the backward runs the two products straight into
+//! fresh buffers (`dx = dy W`, `dW = dy^T x`, the transposes as strides) with the bias
+//! gradient as one pass of column sums: three gradients, each written once.
+//!
+//! f32, f64 and f16 use gemm's kernels of that type (f16 accumulates as gemm does); bf16 uses
+//! [`crate::tp::bf16_gemm`] (the `avx512_bf16` dot product, f32 accumulation) where the CPU has
+//! it and widens to f32 elsewhere.
+
+use crate::tp::bf16_gemm;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor, WithDType};
+use half::{bf16, f16};
+
+const OP: &str = "kiln-linear";
+
+/// How the CPU linear op multiplies f32 tensors: PyTorch's
+/// `torch.set_float32_matmul_precision`, for the linear layers of one thread.
+///
+/// With [`MatmulPrecision::Bf16`] the operands of every f32 product are rounded to bf16 as
+/// they are packed and the products accumulate in f32 with the `avx512_bf16` dot product
+/// (twice f32 FMA's rate), the result staying f32: the tensors around the product, their
+/// gradients and every other op stay f32. This is how kiln-model computes in bf16 on the CPU
+/// (see `GptOptions::compute_dtype`), where candle's element-wise bf16 kernels are slower than
+/// its f32 ones. Tensors stored in bf16, f16 or f64 are multiplied in their own type whatever
+/// the setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MatmulPrecision {
+    /// f32 operands (the default).
+    #[default]
+    Highest,
+    /// bf16 operands, f32 accumulation and result.
+    Bf16,
+}
+
+thread_local! {
+    static PRECISION: std::cell::Cell<MatmulPrecision> =
+        const { std::cell::Cell::new(MatmulPrecision::Highest) };
+}
+
+/// Runs `f` with this thread's f32 linear products at `precision`, restoring the previous
+/// setting afterwards (also when `f` unwinds). The setting is read when an op is built in the
+/// forward; its backward uses the same precision whichever thread runs it.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use kiln_parallel::tp::{linear, with_matmul_precision, MatmulPrecision};
+/// let x = Tensor::new(&[[1.0f32 + 1.0 / 1024.0]], &Device::Cpu)?;
+/// let w = Tensor::new(&[[1.0f32]], &Device::Cpu)?;
+/// let exact = linear(&x, &w, None)?.to_vec2::<f32>()?[0][0];
+/// let rounded = with_matmul_precision(MatmulPrecision::Bf16, || linear(&x, &w, None))?;
+/// assert_eq!(exact, 1.0 + 1.0 / 1024.0);
+/// assert_eq!(rounded.to_vec2::<f32>()?[0][0], 1.0); // x rounded to bf16's 8 bits
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn with_matmul_precision<R>(precision: MatmulPrecision, f: impl FnOnce() -> R) -> R {
+    struct Restore(MatmulPrecision);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            PRECISION.with(|p| p.set(self.0));
+        }
+    }
+    let _restore = Restore(PRECISION.with(|p| p.replace(precision)));
+    f()
+}
+
+/// This thread's current [`MatmulPrecision`].
+pub fn matmul_precision() -> MatmulPrecision {
+    PRECISION.with(|p| p.get())
+}
+
+/// `x W^T (+ b)` for `x` `[rows, in]`, `weight` `[out, in]` and `bias` `[out]`, all CPU tensors
+/// of one float dtype; `x` and `weight` contiguous. f32 products follow this thread's
+/// [`matmul_precision`].
+pub(crate) fn linear_cpu(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
+    let bf16_operands = matmul_precision() == MatmulPrecision::Bf16;
+    match bias {
+        Some(b) => x.apply_op3(weight, &b.contiguous()?, LinearBias { bf16_operands }),
+        None => x.apply_op2(weight, LinearNoBias { bf16_operands }),
+    }
+}
+
+struct LinearNoBias {
+    bf16_operands: bool,
+}
+struct LinearBias {
+    bf16_operands: bool,
+}
+
+/// The sizes of one product, checked against the layouts.
+#[derive(Clone, Copy)]
+struct Dims {
+    rows: usize,
+    inf: usize,
+    outf: usize,
+}
+
+fn dims(lx: &Layout, lw: &Layout, lb: Option<&Layout>) -> candle_core::Result<Dims> {
+    let (rows, inf) = lx.shape().dims2()?;
+    let (outf, inw) = lw.shape().dims2()?;
+    if inw != inf {
+        return Err(candle_core::Error::msg(format!(
+            "{OP}: x is [{rows}, {inf}] but the weight is [{outf}, {inw}]"
+        )));
+    }
+    if let Some(lb) = lb {
+        if lb.shape().dims() != [outf] {
+            return Err(candle_core::Error::msg(format!(
+                "{OP}: bias is {:?}, expected [{outf}]",
+                lb.shape().dims()
+            )));
+        }
+    }
+    Ok(Dims { rows, inf, outf })
+}
+
+fn slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) if b <= data.len() => Ok(&data[a..b]),
+        _ => Err(candle_core::Error::msg(format!(
+            "{OP}: {what} must be contiguous"
+        ))),
+    }
+}
+
+/// A matrix operand: a pointer's worth of elements with its row and column strides.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<'a, T> {
+    pub data: &'a [T],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+/// The element types gemm multiplies natively.
+trait GemmElem: WithDType + Copy + 'static {
+    /// `dst[m, n] (= or +=) sum_k a[m, k] b[k, n]`, `dst` row-major with `n` columns.
+    fn gemm(
+        dst: &mut [Self],
+        accumulate: bool,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+    );
+}
+
+fn parallelism() -> gemm::Parallelism {
+    let threads = candle_core::utils::get_num_threads();
+    if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
+macro_rules! gemm_elem {
+    ($t:ty, $zero:expr, $one:expr) => {
+        impl GemmElem for $t {
+            fn gemm(
+                dst: &mut [Self],
+                accumulate: bool,
+                m: usize,
+                n: usize,
+                k: usize,
+                a: Mat<'_, Self>,
+                b: Mat<'_, Self>,
+            ) {
+                debug_assert!(dst.len() >= m * n);
+                if m == 0 || n == 0 {
+                    return;
+                }
+                if k == 0 {
+                    if !accumulate {
+                        dst[..m * n].fill($zero);
+                    }
+                    return;
+                }
+                // SAFETY: `dst` holds `m * n` elements written with row stride `n`; `a` and
+                // `b` were checked by the callers to cover `m x k` and `k x n` elements at
+                // their strides (the largest offset read is `(m-1) rs + (k-1) cs` < len).
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        k,
+                        dst.as_mut_ptr(),
+                        1,
+                        n as isize,
+                        accumulate,
+                        a.data.as_ptr(),
+                        a.cs as isize,
+                        a.rs as isize,
+                        b.data.as_ptr(),
+                        b.cs as isize,
+                        b.rs as isize,
+                        $one,
+                        $one,
+                        false,
+                        false,
+                        false,
+                        parallelism(),
+                    )
+                }
+            }
+        }
+    };
+}
+gemm_elem!(f32, 0f32, 1f32);
+gemm_elem!(f64, 0f64, 1f64);
+gemm_elem!(f16, f16::ZERO, f16::ONE);
+
+/// Whether `m` covers `rows x cols` elements at its strides.
+fn covers<T>(m: &Mat<'_, T>, rows: usize, cols: usize) -> bool {
+    rows == 0 || cols == 0 || (rows - 1) * m.rs + (cols - 1) * m.cs < m.data.len()
+}
+
+/// `dst = a b` (or `dst += a b` with `accumulate`) for any of kiln's float types: gemm's kernel
+/// for f32, f64 and f16, [`bf16_gemm`] for bf16.
+pub(crate) fn matmul_into<T: DenseElem>(
+    dst: &mut [T],
+    accumulate: bool,
+    (m, n, k): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+) -> candle_core::Result<()> {
+    matmul_prec(dst, accumulate, (m, n, k), a, b, false)
+}
+
+/// [`matmul_into`]; with `bf16_operands`, f32 operands are rounded to bf16 and multiplied by
+/// [`bf16_gemm`] into the f32 `dst`.
+fn matmul_prec<T: DenseElem>(
+    dst: &mut [T],
+    accumulate: bool,
+    (m, n, k): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    bf16_operands: bool,
+) -> candle_core::Result<()> {
+    if dst.len() < m * n || !covers(&a, m, k) || !covers(&b, k, n) {
+        return Err(candle_core::Error::msg(format!(
+            "{OP}: operands do not cover a {m} x {k} by {k} x {n} product"
+        )));
+    }
+    if bf16_operands {
+        if let Some((dst, a, b)) = T::as_f32(dst, a, b) {
+            bf16_gemm::gemm_f32(dst, accumulate, (m, n, k), a, b);
+            return Ok(());
+        }
+    }
+    T::matmul(dst, accumulate, (m, n, k), a, b);
+    Ok(())
+}
+
+/// The storage types of the linear op.
+pub(crate) trait DenseElem: WithDType + Copy + Send + Sync + 'static {
+    /// See [`matmul_into`]; the operands are checked.
+    fn matmul(
+        dst: &mut [Self],
+        accumulate: bool,
+        mnk: (usize, usize, usize),
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+    );
+    /// Into f32 (bias sums).
+    fn to_f(self) -> f64;
+    /// From f32.
+    fn from_f(v: f64) -> Self;
+    /// Wraps a vector as candle storage.
+    fn storage(v: Vec<Self>) -> CpuStorage;
+    /// The same operands as f32, when `Self` is f32.
+    #[allow(clippy::type_complexity)]
+    fn as_f32<'a>(
+        _dst: &'a mut [Self],
+        _a: Mat<'a, Self>,
+        _b: Mat<'a, Self>,
+    ) -> Option<(&'a mut [f32], Mat<'a, f32>, Mat<'a, f32>)> {
+        None
+    }
+}
+
+macro_rules! dense_gemm {
+    ($t:ty, $var:ident, $to:expr, $from:expr) => {
+        dense_gemm!($t, $var, $to, $from, {});
+    };
+    ($t:ty, $var:ident, $to:expr, $from:expr, { $($extra:tt)* }) => {
+        impl DenseElem for $t {
+            fn matmul(
+                dst: &mut [Self],
+                accumulate: bool,
+                (m, n, k): (usize, usize, usize),
+                a: Mat<'_, Self>,
+                b: Mat<'_, Self>,
+            ) {
+                <$t as GemmElem>::gemm(dst, accumulate, m, n, k, a, b)
+            }
+            fn to_f(self) -> f64 {
+                $to(self)
+            }
+            fn from_f(v: f64) -> Self {
+                $from(v)
+            }
+            fn storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$var(v)
+            }
+            $($extra)*
+        }
+    };
+}
+dense_gemm!(f32, F32, |v: f32| v as f64, |v: f64| v as f32, {
+    fn as_f32<'a>(
+        dst: &'a mut [f32],
+        a: Mat<'a, f32>,
+        b: Mat<'a, f32>,
+    ) -> Option<(&'a mut [f32], Mat<'a, f32>, Mat<'a, f32>)> {
+        Some((dst, a, b))
+    }
+});
+dense_gemm!(f64, F64, |v: f64| v, |v: f64| v);
+dense_gemm!(f16, F16, |v: f16| v.to_f64(), f16::from_f64);
+
+impl DenseElem for bf16 {
+    fn matmul(
+        dst: &mut [Self],
+        accumulate: bool,
+        mnk: (usize, usize, usize),
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+    ) {
+        bf16_gemm::gemm(dst, accumulate, mnk, a, b)
+    }
+    fn to_f(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+    fn storage(v: Vec<Self>) -> CpuStorage {
+        CpuStorage::BF16(v)
+    }
+}
+
+/// `y = x W^T + b`: the bias written into every row first, the product accumulated onto it.
+fn forward<T: DenseElem>(
+    x: &[T],
+    w: &[T],
+    b: Option<&[T]>,
+    d: Dims,
+    bf16_operands: bool,
+) -> candle_core::Result<Vec<T>> {
+    let Dims { rows, inf, outf } = d;
+    let mut y: Vec<T> = match b {
+        Some(b) => {
+            let mut y = Vec::with_capacity(rows * outf);
+            for _ in 0..rows {
+                y.extend_from_slice(b);
+            }
+            y
+        }
+        None => vec![T::from_f(0.0); rows * outf],
+    };
+    // y[r, o] += sum_i x[r, i] w[o, i]: the weight read transposed through its strides
+    matmul_prec(
+        &mut y,
+        b.is_some(),
+        (rows, outf, inf),
+        Mat {
+            data: x,
+            rs: inf,
+            cs: 1,
+        },
+        Mat {
+            data: w,
+            rs: 1,
+            cs: inf,
+        },
+        bf16_operands,
+    )?;
+    Ok(y)
+}
+
+/// `(dx, dW, db)`: `dx = dy W`, `dW = dy^T x`, `db` the column sums of `dy` (in f64 for half
+/// types' sake, rows in order: deterministic).
+#[allow(clippy::type_complexity)]
+fn backward<T: DenseElem>(
+    x: &[T],
+    w: &[T],
+    dy: &[T],
+    bias: bool,
+    d: Dims,
+    bf16_operands: bool,
+) -> candle_core::Result<(Vec<T>, Vec<T>, Option<Vec<T>>)> {
+    let Dims { rows, inf, outf } = d;
+    if dy.len() != rows * outf {
+        return Err(candle_core::Error::msg(format!(
+            "{OP}: the output gradient has {} elements, expected {rows} x {outf}",
+            dy.len()
+        )));
+    }
+    let dyr = Mat {
+        data: dy,
+        rs: outf,
+        cs: 1,
+    };
+    let mut dx = vec![T::from_f(0.0); rows * inf];
+    matmul_prec(
+        &mut dx,
+        false,
+        (rows, inf, outf),
+        dyr,
+        Mat {
+            data: w,
+            rs: inf,
+            cs: 1,
+        },
+        bf16_operands,
+    )?;
+    let mut dw = vec![T::from_f(0.0); outf * inf];
+    matmul_prec(
+        &mut dw,
+        false,
+        (outf, inf, rows),
+        Mat {
+            data: dy,
+            rs: 1,
+            cs: outf,
+        },
+        Mat {
+            data: x,
+            rs: inf,
+            cs: 1,
+        },
+        bf16_operands,
+    )?;
+    let db = bias.then(|| {
+        let mut acc = vec![0f64; outf];
+        for row in dy.chunks_exact(outf) {
+            for (a, &g) in acc.iter_mut().zip(row) {
+                *a += g.to_f();
+            }
+        }
+        acc.into_iter().map(T::from_f).collect()
+    });
+    Ok((dx, dw, db))
+}
+
+/// Runs `f` on the slices of the storages, which must share one float type.
+macro_rules! dispatch {
+    ($s:expr, |$v:ident : $t:ident| $body:expr) => {
+        match $s {
+            CpuStorage::F32($v) => {
+                type $t = f32;
+                $body
+            }
+            CpuStorage::F64($v) => {
+                type $t = f64;
+                $body
+            }
+            CpuStorage::F16($v) => {
+                type $t = f16;
+                $body
+            }
+            CpuStorage::BF16($v) => {
+                type $t = bf16;
+                $body
+            }
+            other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), OP)),
+        }
+    };
+}
+
+/// The slice of `s`, which must hold `T`.
+fn typed<'a, T: WithDType>(s: &'a CpuStorage, what: &str) -> candle_core::Result<&'a [T]> {
+    T::cpu_storage_as_slice(s).map_err(|_| {
+        candle_core::Error::msg(format!(
+            "{OP}: {what} is {:?}, expected {:?} like x",
+            s.dtype(),
+            T::DTYPE
+        ))
+    })
+}
+
+fn fwd_storage(
+    sx: &CpuStorage,
+    lx: &Layout,
+    sw: &CpuStorage,
+    lw: &Layout,
+    sb: Option<(&CpuStorage, &Layout)>,
+    bf16_operands: bool,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let d = dims(lx, lw, sb.map(|(_, l)| l))?;
+    dispatch!(sx, |xs: T| {
+        let x = slice(xs, lx, "x")?;
+        let w = slice(typed::<T>(sw, "the weight")?, lw, "the weight")?;
+        let b = match sb {
+            Some((s, l)) => Some(slice(typed::<T>(s, "the bias")?, l, "the bias")?),
+            None => None,
+        };
+        let y = forward(x, w, b, d, bf16_operands)?;
+        Ok((T::storage(y), Shape::from((d.rows, d.outf))))
+    })
+}
+
+/// The CPU storage of a tensor, contiguous.
+fn cpu_of(t: &Tensor) -> candle_core::Result<Tensor> {
+    if !t.device().is_cpu() {
+        return Err(candle_core::Error::msg(format!(
+            "{OP}: a CPU op got a device tensor"
+        )));
+    }
+    t.contiguous()
+}
+
+#[allow(clippy::type_complexity)]
+fn bwd_tensors(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    bias: bool,
+    bf16_operands: bool,
+) -> candle_core::Result<(Tensor, Tensor, Option<Tensor>)> {
+    let grad = cpu_of(&grad.to_dtype(x.dtype())?)?;
+    let (x, w) = (cpu_of(x)?, cpu_of(w)?);
+    let (sx, lx) = x.storage_and_layout();
+    let (sw, lw) = w.storage_and_layout();
+    let (sg, lg) = grad.storage_and_layout();
+    let (Storage::Cpu(sx), Storage::Cpu(sw), Storage::Cpu(sg)) = (&*sx, &*sw, &*sg) else {
+        return Err(candle_core::Error::msg(format!(
+            "{OP}: a CPU op got a device tensor"
+        )));
+    };
+    let d = dims(lx, lw, None)?;
+    let dev = x.device();
+    dispatch!(sx, |xs: T| {
+        let xv = slice(xs, lx, "x")?;
+        let wv = slice(typed::<T>(sw, "the weight")?, lw, "the weight")?;
+        let gv = slice(
+            typed::<T>(sg, "the output gradient")?,
+            lg,
+            "the output gradient",
+        )?;
+        let (dx, dw, db) = backward(xv, wv, gv, bias, d, bf16_operands)?;
+        Ok((
+            Tensor::from_vec(dx, (d.rows, d.inf), dev)?,
+            Tensor::from_vec(dw, (d.outf, d.inf), dev)?,
+            db.map(|v| Tensor::from_vec(v, d.outf, dev)).transpose()?,
+        ))
+    })
+}
+
+impl CustomOp2 for LinearNoBias {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        fwd_storage(s1, l1, s2, l2, None, self.bf16_operands)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = bwd_tensors(x, w, grad, false, self.bf16_operands)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl CustomOp3 for LinearBias {
+    fn name(&self) -> &'static str {
+        OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        fwd_storage(s1, l1, s2, l2, Some((s3, l3)), self.bf16_operands)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = bwd_tensors(x, w, grad, true, self.bf16_operands)?;
+        Ok((Some(dx), Some(dw), db))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    fn rand(shape: &[usize], seed: u64) -> Vec<f64> {
+        let n: usize = shape.iter().product();
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The fused op against candle's composite (reshape, matmul with the transposed weight,
+    /// broadcast add) in f64: forward and all three gradients.
+    #[test]
+    fn linear_matches_composite_in_f64() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        for &(rows, inf, outf) in &[(1, 1, 1), (7, 5, 3), (64, 48, 80), (130, 70, 33)] {
+            let x = Var::from_vec(rand(&[rows, inf], 1), (rows, inf), &dev)?;
+            let w = Var::from_vec(rand(&[outf, inf], 2), (outf, inf), &dev)?;
+            let b = Var::from_vec(rand(&[outf], 3), outf, &dev)?;
+            let up = Tensor::from_vec(rand(&[rows, outf], 4), (rows, outf), &dev)?;
+            for bias in [true, false] {
+                let fused =
+                    linear_cpu(x.as_tensor(), w.as_tensor(), bias.then_some(b.as_tensor()))?;
+                let reference = {
+                    let y = x.as_tensor().matmul(&w.as_tensor().t()?)?;
+                    if bias {
+                        y.broadcast_add(b.as_tensor())?
+                    } else {
+                        y
+                    }
+                };
+                let diff = |a: &Tensor, r: &Tensor| -> candle_core::Result<f64> {
+                    (a - r)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()
+                };
+                assert!(
+                    diff(&fused, &reference)? < 1e-12,
+                    "forward {rows}x{inf}x{outf}"
+                );
+                let gf = (fused * &up)?.sum_all()?.backward()?;
+                let gr = (reference * &up)?.sum_all()?.backward()?;
+                for (name, v) in [("x", &x), ("w", &w), ("b", &b)] {
+                    match (gf.get(v), gr.get(v)) {
+                        (Some(a), Some(r)) => {
+                            assert!(diff(a, r)? < 1e-12, "d{name} {rows}x{inf}x{outf}")
+                        }
+                        (None, None) => assert!(!bias && name == "b"),
+                        _ => panic!("d{name}: one side has no gradient"),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every float dtype against f64, within its rounding.
+    #[test]
+    fn linear_every_dtype_within_rounding() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let (rows, inf, outf) = (96, 130, 70);
+        let x = Tensor::from_vec(rand(&[rows, inf], 5), (rows, inf), &dev)?;
+        let w = Tensor::from_vec(rand(&[outf, inf], 6), (outf, inf), &dev)?;
+        let b = Tensor::from_vec(rand(&[outf], 7), outf, &dev)?;
+        let reference = linear_cpu(&x, &w, Some(&b))?;
+        for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 0.1), (DType::BF16, 0.3)] {
+            let y = linear_cpu(&x.to_dtype(dt)?, &w.to_dtype(dt)?, Some(&b.to_dtype(dt)?))?;
+            let worst = (y.to_dtype(DType::F64)? - &reference)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f64>()?;
+            assert!(worst < tol, "{dt:?}: worst {worst}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn mismatched_shapes_are_errors() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((4, 3), DType::F32, &dev)?;
+        let w = Tensor::zeros((5, 2), DType::F32, &dev)?;
+        let err = linear_cpu(&x, &w, None)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("[4, 3]") && err.contains("[5, 2]"), "{err}");
+        let w = Tensor::zeros((5, 3), DType::F32, &dev)?;
+        let b = Tensor::zeros(4, DType::F32, &dev)?;
+        let err = linear_cpu(&x, &w, Some(&b))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("[5]"), "{err}");
+        Ok(())
+    }
+}
