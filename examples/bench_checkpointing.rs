@@ -9,9 +9,11 @@
 //!
 //! Run: `cargo run --release --example bench_checkpointing` (`-- --batch N --layers N`).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use candle_core::{Device, Tensor};
 use kiln_memory::{CheckpointPolicy, CollectGrads, Executor, SegmentParams, StaticParams};

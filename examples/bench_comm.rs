@@ -20,9 +20,11 @@
 //! `--backend nccl`. It first checks each collective's result on device buffers (rank r
 //! contributes r + 1), then times them on device buffers; `memcpy_gbps` is then the host's.
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use kiln_comm::{spawn, CommError, CommExt, Communicator, ReduceOp};
 use std::time::Instant;

@@ -7,9 +7,11 @@
 //! Prints one JSON line per measurement: the median of several repetitions.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use kiln_optim::{AdamW, AdamWConfig, Optimizer, SquareSum};
 use std::hint::black_box;

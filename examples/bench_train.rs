@@ -43,9 +43,11 @@
 //! `--steps N` (default 25; the median is over steps 5 to N), `--lr X`, `--bare-candle` (no
 //! value; f32, dp 1, tp 1, ZeRO 0 and no checkpointing only).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use kiln_comm::{spawn, Communicator, ThreadComm};
 use kiln_data::{prepare_corpus, DataLoader, LoaderConfig, PrepareConfig, Verify};

@@ -8,9 +8,11 @@
 //! Run: `cargo run --release --example dpo` (flags: `--dp 2`, `--tp 1`, `--zero 1`, `--steps
 //! 150`, `--reward-steps 100`, `--beta 0.1`, `--lr 3e-3`, `--out runs/dpo`, `--resume`).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;

@@ -13,9 +13,11 @@
 //! 65536), `--batch B` (windows per forward pass, default 4), `--tokenizer PATH` (a
 //! `tokenizer.json`, when the folder has none), `--device cpu|cuda:N` (default cpu).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 #[path = "common/model_cli.rs"]
 mod model_cli;

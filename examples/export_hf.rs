@@ -10,9 +10,11 @@
 //! `CHECKPOINT` is a folder of checkpoints (`runs/train_gpt/checkpoints`: its newest step),
 //! its `latest` file, or one `step-NNNNNNNN` folder.
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use anyhow::{bail, Context};
 use kiln_model::hf;

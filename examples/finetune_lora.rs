@@ -11,9 +11,11 @@
 //! 300`, `--steps 200`, `--dp 2`, `--tp 1`, `--rank 8`, `--lr 5e-3`, `--out runs/finetune_lora`,
 //! `--resume`).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
 use kiln_memory::{MemPrecision, MemoryPlan, ShardingStage};

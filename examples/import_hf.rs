@@ -10,9 +10,11 @@
 //! The corpus is tokenized with the folder's `tokenizer.json` (`data.tokenizer`), so the model
 //! sees the token ids it was trained with.
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use anyhow::{bail, Context};
 use kiln_model::hf;

@@ -12,9 +12,11 @@
 //! Across nodes, run it on each node with `--nnodes N --node-rank K --master-addr HOST`
 //! (under Slurm, `srun` sets the variables itself: no launcher needed).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use kiln_comm::launch::LocalLaunch;
 use std::ffi::OsString;

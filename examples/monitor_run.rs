@@ -8,9 +8,11 @@
 //! `tensorboard --logdir OUT_DIR/tb`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use kiln_monitor::*;
 use rand::{Rng, SeedableRng};

@@ -9,9 +9,11 @@
 //! (other presets: `gpt3_small` ... `gpt3_6_7b`, `small_cpu`, `tiny`; `--micro-batch N`,
 //! `--precision f32`).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use kiln_memory::{MemPrecision, MemoryPlan, ShardingStage};
 use kiln_model::GptConfig;

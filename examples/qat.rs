@@ -9,9 +9,11 @@
 //! Run: `cargo run --release --example qat` (flags: `--from DIR`, `--pretrain-steps 300`,
 //! `--steps 150`, `--dp 2`, `--lr 1e-3`, `--out runs/qat`).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};

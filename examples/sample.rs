@@ -12,9 +12,11 @@
 //! when the folder has none), `--device cpu|cuda:N` (default cpu), `--ids` (also print the
 //! generated token ids on a line starting `ids:`).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 #[path = "common/model_cli.rs"]
 mod model_cli;

@@ -25,9 +25,11 @@
 //! configuration status 2, 64 or 78: a restart would fail the same way); otherwise the
 //! status of its last crash (128 + signal), once the restarts are spent.
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use kiln_comm::launch::{SuperviseEnd, Supervisor, SupervisorConfig};
 use std::ffi::OsString;

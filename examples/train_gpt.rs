@@ -11,9 +11,11 @@
 //! As 4 processes over MPI (one rank each): `cargo build --release --features mpi --example
 //! train_gpt`, then `mpirun -np 4 target/release/examples/train_gpt --backend mpi`.
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 #[path = "common/gpt_run.rs"]
 mod gpt_run;

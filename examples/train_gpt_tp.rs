@@ -4,9 +4,11 @@
 //!
 //! Run: `cargo run --release --example train_gpt_tp` (same flags as `train_gpt`).
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 #[path = "common/gpt_run.rs"]
 mod gpt_run;

@@ -10,11 +10,11 @@
 //! fresh buffers (`dx = dy W`, `dW = dy^T x`, the transposes as strides) with the bias
 //! gradient as one pass of column sums: three gradients, each written once.
 //!
-//! f32, f64 and f16 use gemm's kernels of that type (f16 accumulates as gemm does); bf16 uses
-//! [`crate::tp::bf16_gemm`] (the `avx512_bf16` dot product, f32 accumulation) where the CPU has
-//! it and widens to f32 elsewhere.
+//! f32 and bf16 use kiln's AVX-512 kernels ([`crate::tp::cpu_gemm`]: FMA for f32, the
+//! `avx512_bf16` dot product with f32 accumulation for bf16) where the CPU has them, gemm's
+//! kernels elsewhere (bf16 widened to f32); f64 and f16 use gemm's kernels of that type.
 
-use crate::tp::bf16_gemm;
+use crate::tp::cpu_gemm;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor, WithDType};
 use half::{bf16, f16};
@@ -255,7 +255,7 @@ fn matmul_prec<T: DenseElem>(
     }
     if bf16_operands {
         if let Some((dst, a, b)) = T::as_f32(dst, a, b) {
-            bf16_gemm::gemm_f32(dst, accumulate, (m, n, k), a, b);
+            cpu_gemm::gemm_f32_bf16(dst, accumulate, (m, n, k), a, b);
             return Ok(());
         }
     }
@@ -318,7 +318,27 @@ macro_rules! dense_gemm {
         }
     };
 }
-dense_gemm!(f32, F32, |v: f32| v as f64, |v: f64| v as f32, {
+impl DenseElem for f32 {
+    fn matmul(
+        dst: &mut [Self],
+        accumulate: bool,
+        (m, n, k): (usize, usize, usize),
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+    ) {
+        if !cpu_gemm::gemm_f32_exact(dst, accumulate, (m, n, k), a, b) {
+            <f32 as GemmElem>::gemm(dst, accumulate, m, n, k, a, b)
+        }
+    }
+    fn to_f(self) -> f64 {
+        f64::from(self)
+    }
+    fn from_f(v: f64) -> Self {
+        v as f32
+    }
+    fn storage(v: Vec<Self>) -> CpuStorage {
+        CpuStorage::F32(v)
+    }
     fn as_f32<'a>(
         dst: &'a mut [f32],
         a: Mat<'a, f32>,
@@ -326,7 +346,7 @@ dense_gemm!(f32, F32, |v: f32| v as f64, |v: f64| v as f32, {
     ) -> Option<(&'a mut [f32], Mat<'a, f32>, Mat<'a, f32>)> {
         Some((dst, a, b))
     }
-});
+}
 dense_gemm!(f64, F64, |v: f64| v, |v: f64| v);
 dense_gemm!(f16, F16, |v: f16| v.to_f64(), f16::from_f64);
 
@@ -338,7 +358,7 @@ impl DenseElem for bf16 {
         a: Mat<'_, Self>,
         b: Mat<'_, Self>,
     ) {
-        bf16_gemm::gemm(dst, accumulate, mnk, a, b)
+        cpu_gemm::gemm_bf16(dst, accumulate, mnk, a, b)
     }
     fn to_f(self) -> f64 {
         self.to_f64()

@@ -45,7 +45,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-mod bf16_gemm;
+mod cpu_gemm;
 mod dense;
 mod linear;
 mod ops;
