@@ -3,21 +3,32 @@
 //! the same bytes in the same run, and how long the training loop stalls for an async save
 //! versus a sync one. Prints one JSON line per measurement (median of `--reps` runs).
 //!
+//! `loop_stall` compares three ways to save: `sync_stall_ms` (capture and `save`),
+//! `async_eager_stall_ms` (capture on the loop's thread, then `save_async`) and
+//! `async_stall_ms`, where the model is `Guarded` and deferred into a `Snapshot`: the writer
+//! thread makes the copy while the loop runs its next step, and the stall is the hand-off
+//! plus any wait of that step's parameter update for the copy. The next step is simulated:
+//! `--compute-passes` reads of every parameter (forward and backward), then an update that
+//! writes every one; `step_ms` is such a step without a save, `async_next_step_ms` the one
+//! right after the deferred save.
+//!
 //! ```text
 //! cargo run --release --example bench_ckpt
-//! cargo run --release --example bench_ckpt -- --params 10000000 --reps 3
+//! cargo run --release --example bench_ckpt -- --params 10000000 --reps 3 --compute-passes 2
 //! ```
 //!
 //! Files go to a fresh directory under the system temp dir, removed at the end.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "common/alloc.rs"]
+mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use kiln_ckpt::{
-    CheckpointConfig, Checkpointer, DType, Layout, LocalFs, RankState, Retention, StateDict,
-    Stateful, Storage, TensorSpec,
+    CheckpointConfig, Checkpointer, DType, Guarded, Layout, LocalFs, RankState, Retention,
+    Snapshot, StateDict, Stateful, Storage, TensorSpec,
 };
 use kiln_comm::{spawn, Communicator};
 use std::collections::BTreeMap;
@@ -47,6 +58,25 @@ impl Stateful for Flat {
             shape: vec![self.w.len()],
         };
         Ok([("flat".to_string(), spec)].into())
+    }
+}
+
+/// The forward and backward passes of a step: `passes` reads of every parameter.
+fn compute(w: &[f32], passes: usize) -> f32 {
+    let mut acc = 0.0f32;
+    for _ in 0..passes {
+        acc += w
+            .chunks(1 << 16)
+            .map(|c| c.iter().sum::<f32>())
+            .sum::<f32>();
+    }
+    std::hint::black_box(acc)
+}
+
+/// The optimizer's update: writes every parameter.
+fn update(w: &mut [f32]) {
+    for x in w.iter_mut() {
+        *x += 1e-7;
     }
 }
 
@@ -89,6 +119,7 @@ fn main() {
     };
     let params = arg("--params", 100_000_000);
     let reps = arg("--reps", 3).max(1);
+    let passes = arg("--compute-passes", 2);
     let root: PathBuf =
         std::env::temp_dir().join(format!("kiln-bench-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
@@ -102,17 +133,18 @@ fn main() {
         let cfg = CheckpointConfig::new(layout, "bench").with_retention(Retention::keep_last(1));
         let results = spawn(ranks, |comm| {
             let mut ck = Checkpointer::new(Arc::clone(&storage), cfg.clone())?;
-            let mut model = Flat {
+            let model = Guarded::new(Flat {
                 w: params_of(comm.rank(), per_rank),
-            };
-            let mut t: [Vec<f64>; 7] = Default::default();
-            let [save, load, sync_stall, async_stall, async_wait, plain_w, plain_r] = &mut t;
+            });
+            let mut t: [Vec<f64>; 10] = Default::default();
+            let [save, load, sync_stall, async_stall, async_wait, plain_w, plain_r, eager_stall, step_t, next_step_t] =
+                &mut t;
             let plain_path = root.join(format!("plain-{ranks}-{}.bin", comm.rank()));
             let mut step = 0u64;
             for _ in 0..reps {
                 // baseline under the same conditions: this rank's bytes as one plain file
                 comm.barrier()?;
-                let buf: Vec<u8> = model.w.iter().flat_map(|x| x.to_le_bytes()).collect();
+                let buf: Vec<u8> = model.read().w.iter().flat_map(|x| x.to_le_bytes()).collect();
                 plain_w.push(plain_write(&plain_path, &buf));
                 comm.barrier()?;
                 let t_read = Instant::now();
@@ -123,12 +155,19 @@ fn main() {
                 std::fs::remove_file(&plain_path).unwrap();
                 comm.barrier()?;
 
+                // a training step without a save in flight
+                comm.barrier()?;
+                let t = Instant::now();
+                compute(&model.read().w, passes);
+                update(&mut model.write().w);
+                step_t.push(t.elapsed().as_secs_f64());
+
                 // sync save: the loop is blocked for the copy and the whole write
                 step += 1;
                 comm.barrier()?;
                 let t = Instant::now();
                 let mut st = RankState::new();
-                st.capture("model", &model)?;
+                st.capture("model", &*model.read())?;
                 let copy = t.elapsed().as_secs_f64();
                 let t_save = Instant::now();
                 ck.save(&comm, step, &st)?;
@@ -138,27 +177,51 @@ fn main() {
                 save.push(saved);
                 sync_stall.push(copy + saved);
 
-                // async save: the loop is blocked only for the copy and the hand-off
+                // async save, copy on the loop's thread: blocked for the copy and the hand-off
                 step += 1;
                 comm.barrier()?;
                 let t = Instant::now();
                 let mut st = RankState::new();
-                st.capture("model", &model)?;
+                st.capture("model", &*model.read())?;
                 ck.save_async(&comm, step, st)?;
-                async_stall.push(t.elapsed().as_secs_f64());
+                eager_stall.push(t.elapsed().as_secs_f64());
+                ck.wait()?;
+                comm.barrier()?;
+
+                // async save, copy on the writer thread: blocked for the hand-off and for any
+                // wait of the next update for the copy
+                step += 1;
+                comm.barrier()?;
+                let before = model.read().w.clone();
+                comm.barrier()?;
+                let t = Instant::now();
+                let mut snap = Snapshot::new();
+                snap.defer("model", &model)?;
+                ck.save_async_snapshot(&comm, step, snap)?;
+                let mut blocked = t.elapsed().as_secs_f64();
+                compute(&model.read().w, passes);
+                let t_upd = Instant::now();
+                let mut w = model.write();
+                blocked += t_upd.elapsed().as_secs_f64();
+                update(&mut w.w);
+                drop(w);
+                next_step_t.push(t.elapsed().as_secs_f64());
+                async_stall.push(blocked);
                 let t_wait = Instant::now();
                 ck.wait()?;
                 async_wait.push(t_wait.elapsed().as_secs_f64());
                 comm.barrier()?;
 
-                // load the last checkpoint back into the model
+                // load the last checkpoint back into the model: the values before the update
                 comm.barrier()?;
                 let t = Instant::now();
                 let loaded = ck.load_step(&comm, step)?;
                 loaded
                     .state
-                    .restore_all(&mut [("model", &mut model)], Default::default())?;
+                    .restore_all(&mut [("model", &mut *model.write())], Default::default())?;
                 load.push(t.elapsed().as_secs_f64());
+                assert!(model.read().w == before, "the checkpoint holds the deferred values");
+                drop(before);
                 comm.barrier()?;
             }
             Ok::<_, kiln_ckpt::CkptError>(t)
@@ -177,12 +240,17 @@ fn main() {
         line("ckpt_save_sync", ranks, total, worst(0), "");
         line("plain_read", ranks, total, worst(6), "");
         line("ckpt_load_verified", ranks, total, worst(1), "");
-        let (ss, asy, aw) = (worst(2), worst(3), worst(4));
+        let (ss, asy, aw, eager) = (worst(2), worst(3), worst(4), worst(7));
+        let (st, nst) = (worst(8), worst(9));
         println!(
-            "{{\"bench\":\"ckpt\",\"what\":\"loop_stall\",\"ranks\":{ranks},\"bytes\":{total},\"sync_stall_ms\":{:.1},\"async_stall_ms\":{:.1},\"async_write_after_return_ms\":{:.1}}}",
+            "{{\"bench\":\"ckpt\",\"what\":\"loop_stall\",\"ranks\":{ranks},\"bytes\":{total},\"sync_stall_ms\":{:.1},\"async_eager_stall_ms\":{:.1},\"async_stall_ms\":{:.1},\"async_stall_ratio\":{:.4},\"async_write_after_return_ms\":{:.1},\"step_ms\":{:.1},\"async_next_step_ms\":{:.1}}}",
             ss * 1e3,
+            eager * 1e3,
             asy * 1e3,
-            aw * 1e3
+            asy / ss,
+            aw * 1e3,
+            st * 1e3,
+            nst * 1e3
         );
         std::fs::remove_dir_all(&dir).unwrap();
     }

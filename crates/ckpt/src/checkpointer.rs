@@ -15,6 +15,7 @@ use crate::save::{
     committed_dir, committed_steps, parse_step_dir, write_checkpoint, SaveCtx, SaveReport,
     LATEST_FILE,
 };
+use crate::snapshot::Snapshot;
 use crate::state::RankState;
 use crate::storage::Storage;
 use kiln_comm::{CommExt, Communicator, ReduceOp};
@@ -182,7 +183,7 @@ impl Checkpointer {
         self.wait()?;
         agree_step(comm, step)?;
         self.last_save = Instant::now();
-        write_checkpoint(&self.ctx(), comm, step, state)
+        write_checkpoint(&self.ctx(), comm, step, Ok(state))
     }
 
     /// Hands `state` (already a copy: [`crate::Stateful::state`] copies) to a background
@@ -193,11 +194,33 @@ impl Checkpointer {
     /// this save does not start). The background thread talks over its own communicator,
     /// split from `comm` on first use, so it never interleaves with the caller's
     /// collectives.
+    ///
+    /// To keep the copy itself off the loop's thread, see
+    /// [`Checkpointer::save_async_snapshot`].
     pub fn save_async(
         &mut self,
         comm: &dyn Communicator,
         step: u64,
         state: RankState,
+    ) -> Result<()> {
+        self.save_async_snapshot(comm, step, Snapshot::from(state))
+    }
+
+    /// [`Checkpointer::save_async`] of a [`Snapshot`]: the background thread first copies
+    /// the snapshot's deferred parts (releasing each [`crate::Guarded`] component as soon as
+    /// it is copied, so the loop's next write to it waits at most for that copy), then
+    /// writes and commits. The checkpoint holds every deferred component's value as of
+    /// [`Snapshot::defer`]; the bytes are those a [`Checkpointer::save`] of the same values
+    /// writes. A deferred copy that fails fails the save on every rank (seen on
+    /// [`Checkpointer::wait`]).
+    ///
+    /// If the save cannot start (the previous one failed, the ranks disagree on the step),
+    /// the snapshot is dropped and its components released.
+    pub fn save_async_snapshot(
+        &mut self,
+        comm: &dyn Communicator,
+        step: u64,
+        snapshot: Snapshot,
     ) -> Result<()> {
         self.wait()?;
         agree_step(comm, step)?;
@@ -206,7 +229,10 @@ impl Checkpointer {
         self.last_save = Instant::now();
         let handle = std::thread::Builder::new()
             .name(format!("kiln-ckpt-writer-{}", comm.rank()))
-            .spawn(move || write_checkpoint(&ctx, &*bg, step, &state))?;
+            .spawn(move || match snapshot.into_state() {
+                Ok(state) => write_checkpoint(&ctx, &*bg, step, Ok(&state)),
+                Err(e) => write_checkpoint(&ctx, &*bg, step, Err(e)),
+            })?;
         self.inflight = Some(InFlight { step, handle });
         Ok(())
     }

@@ -7,7 +7,9 @@
 //!   implement (model, optimizer, scaler, schedule, data loader, [`RngState`], [`Step`]);
 //!   [`RankState`]: all the parts one rank saves.
 //! - [`Checkpointer`]: collective save (synchronous, or [`Checkpointer::save_async`] on a
-//!   background thread) of one safetensors file per rank plus a JSON [`Manifest`] with each
+//!   background thread; with [`Checkpointer::save_async_snapshot`] the copy of each
+//!   [`Guarded`] component deferred into a [`Snapshot`] runs there too, and the loop's next
+//!   write to it waits until it is copied) of one safetensors file per rank plus a JSON [`Manifest`] with each
 //!   file's sha256, committed by an atomic directory rename (a re-saved step's old copy is
 //!   set aside, never deleted, until the new one is committed); [`Checkpointer::load_latest`]
 //!   never returns an uncommitted or damaged checkpoint and reports what it skipped.
@@ -64,6 +66,7 @@ mod policy;
 mod rankfile;
 mod reshard;
 mod save;
+mod snapshot;
 mod state;
 mod storage;
 
@@ -78,6 +81,7 @@ pub use reshard::{GlobalTensor, ReshardRequest};
 pub use save::{
     replaced_dir, step_dir, tmp_dir, SaveReport, LATEST_FILE, MANIFEST_FILE, MANIFEST_SHA_FILE,
 };
+pub use snapshot::{Guarded, GuardedWrite, Snapshot};
 pub use state::{KeyReport, LoadOptions, RankState};
 // How components describe their state lives in kiln-state, below every crate that has state;
 // re-exported here so that a checkpoint's users need one import.

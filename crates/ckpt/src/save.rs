@@ -19,7 +19,7 @@
 //! copy whose `step-N/` exists is removed, one without is renamed back to `step-N/`. Stale
 //! temporary cleanup only ever removes `.tmp` names, never a set-aside copy.
 
-use crate::digest::sha256_alongside;
+use crate::digest::sha256_beside;
 use crate::error::{CkptError, Result};
 use crate::gather::{all_gather_bytes, broadcast_ok};
 use crate::layout::Layout;
@@ -42,8 +42,8 @@ pub const MANIFEST_SHA_FILE: &str = "manifest.sha256";
 /// The pointer file at the storage root naming the latest committed directory.
 pub const LATEST_FILE: &str = "latest";
 
-/// Bytes hashed and written (or read) per call: large enough for throughput, small enough to hash
-/// while the bytes are still in cache.
+/// Bytes written or read per call (and hashed per piece on load): large enough for
+/// throughput, small enough to hash a piece just read while it is still in cache.
 pub(crate) const WRITE_PIECE: usize = 4 << 20;
 
 /// The directory of a committed checkpoint.
@@ -184,16 +184,16 @@ fn write_rank_file(
     let enc = encode(state)?;
     let name = rank_file_name(rank);
     let mut w = storage.create(&format!("{dir}/{name}"))?;
-    let ((), sha256) = sha256_alongside(|sink| {
-        for chunk in enc.chunks() {
+    let chunks: Vec<&[u8]> = enc.chunks().collect();
+    // The write and its fsync run while another thread hashes the same bytes.
+    let ((), sha256) = sha256_beside(&chunks, || {
+        for chunk in &chunks {
             for piece in chunk.chunks(WRITE_PIECE) {
-                sink.feed(piece);
                 w.write(piece)?;
             }
         }
-        Ok(())
+        w.finish()
     })?;
-    w.finish()?;
     let mut tensors = BTreeMap::new();
     for (part, sd) in state.parts() {
         for (n, t) in sd.iter() {
@@ -299,11 +299,13 @@ fn commit(ctx: &SaveCtx, step: u64, files: Vec<FileEntry>) -> Result<(Vec<u64>, 
 
 /// The whole save protocol for one rank. Every rank calls it with the same step (checked by
 /// the caller); every rank returns an error if any rank fails, and nothing is committed then.
+/// A `state` that could not be produced (an `Err`) fails the save on every rank, as a write
+/// error would.
 pub(crate) fn write_checkpoint(
     ctx: &SaveCtx,
     comm: &dyn Communicator,
     step: u64,
-    state: &RankState,
+    state: Result<&RankState>,
 ) -> Result<SaveReport> {
     let (rank, world) = (comm.rank(), comm.world_size());
     if world != ctx.layout.world() {
@@ -331,7 +333,7 @@ pub(crate) fn write_checkpoint(
         });
     }
 
-    let local = write_rank_file(&*ctx.storage, &tmp, rank, state);
+    let local = state.and_then(|st| write_rank_file(&*ctx.storage, &tmp, rank, st));
     let report = match &local {
         Ok(f) => RankReport {
             file: Some(f.clone()),
