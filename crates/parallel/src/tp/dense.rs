@@ -292,9 +292,6 @@ pub(crate) trait DenseElem: WithDType + Copy + Send + Sync + 'static {
 
 macro_rules! dense_gemm {
     ($t:ty, $var:ident, $to:expr, $from:expr) => {
-        dense_gemm!($t, $var, $to, $from, {});
-    };
-    ($t:ty, $var:ident, $to:expr, $from:expr, { $($extra:tt)* }) => {
         impl DenseElem for $t {
             fn matmul(
                 dst: &mut [Self],
@@ -314,7 +311,6 @@ macro_rules! dense_gemm {
             fn storage(v: Vec<Self>) -> CpuStorage {
                 CpuStorage::$var(v)
             }
-            $($extra)*
         }
     };
 }
