@@ -125,13 +125,11 @@ fn dims(lx: &Layout, lw: &Layout, lb: Option<&Layout>) -> candle_core::Result<Di
     Ok(Dims { rows, inf, outf })
 }
 
+/// The contiguous elements `l` addresses ([`crate::tp::ops::contiguous`]), the error naming
+/// which input was strided.
 fn slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) if b <= data.len() => Ok(&data[a..b]),
-        _ => Err(candle_core::Error::msg(format!(
-            "{OP}: {what} must be contiguous"
-        ))),
-    }
+    crate::tp::ops::contiguous(data, l, OP)
+        .map_err(|_| candle_core::Error::msg(format!("{OP}: {what} must be contiguous")))
 }
 
 /// A matrix operand: a pointer's worth of elements with its row and column strides.
