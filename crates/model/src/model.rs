@@ -201,7 +201,6 @@ impl Block {
     }
 
     fn attention(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
         let dh = self.head_dim;
         let qkv = self.c_attn.forward_with(x, p)?;
         let width = self.c_attn.local_out_features();
@@ -214,18 +213,12 @@ impl Block {
             });
         }
         let h = width / (3 * dh);
-        // [b, t, 3, h, dh] -> [3, b, h, t, dh]: one copy, then q, k, v are contiguous views
-        let qkv = qkv
-            .reshape((b, t, 3, h, dh))?
-            .permute((2, 0, 3, 1, 4))?
-            .contiguous()?;
-        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
         let scale = 1.0 / (dh as f64).sqrt();
         // the fused kernels, CPU and CUDA: no t x t scores, the masked half skipped, heads in
         // parallel (small_cpu trains 5-15% faster than with scores, causal softmax and values
-        // as three ops on the CPU)
-        let y = ops::causal_attention(&q, &k, &v, scale)?;
-        let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * dh))?;
+        // as three ops on the CPU); on the CPU they read q, k and v where the projection wrote
+        // them, one graph node from qkv to the heads side by side
+        let y = ops::causal_attention_packed(&qkv, h, scale)?;
         self.attn_proj.forward_with(&y, p)
     }
 
@@ -827,16 +820,24 @@ impl Gpt {
     /// This rank's logits `[b, t, vocab / tp]` (all of them without tensor parallelism), with
     /// `ln_f` and `wte` read from `p`.
     pub fn head_logits_local(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let logits = self.head_rows_local(x, p)?;
+        let v = logits.dim(1)?;
+        Ok(logits.reshape((b, t, v))?)
+    }
+
+    /// [`Gpt::head_logits_local`] as rows `[b * t, vocab / tp]`, the shape the cross-entropy
+    /// takes: the loss path reshapes nothing, since every reshape is a graph node whose
+    /// backward fills and adds a logits-sized gradient.
+    fn head_rows_local(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
         let p = &self.source(p);
         let (b, t, d) = x.dims3()?;
         let h = self.ln_f.forward_with(x, p)?.reshape((b * t, d))?;
         let w = p.param("wte")?.to_dtype(h.dtype())?;
-        let logits = self.in_precision(|| match &self.tp {
+        Ok(self.in_precision(|| match &self.tp {
             None => kiln_parallel::tp::linear(&h, &w, None),
             Some(c) => tpops::vocab_parallel_logits(&h, &w, c),
-        })?;
-        let v = logits.dim(1)?;
-        Ok(logits.reshape((b, t, v))?)
+        })?)
     }
 
     /// `Head`: hidden states `[b, t, d]` and targets `[b, t]` (u32) to the mean cross-entropy
@@ -864,9 +865,7 @@ impl Gpt {
                 got: format!("[{tb}, {tt}]"),
             });
         }
-        let logits = self.head_logits_local(x, p)?;
-        let v = logits.dim(2)?;
-        let logits = logits.reshape((b * t, v))?;
+        let logits = self.head_rows_local(x, p)?;
         let targets = targets.flatten_all()?;
         match &self.tp {
             None => ops::cross_entropy(&logits, &targets, self.opts.ignore_index),

@@ -3,6 +3,8 @@
 //! f32, in f16 / bf16 against the f32 result on the same inputs, against central finite
 //! differences (f64), at sequence lengths that are not a multiple of the CUDA kernels' tiles
 //! (16 to 64 rows), t = 1, head dims 16 and 64; and its input validation.
+//! `ops::causal_attention_packed` (qkv as the projection writes it) against the split, permuted
+//! copy and head-major op: bitwise in every float dtype.
 //!
 //! Tolerances (|a - e| <= atol + rtol |e|):
 //! - finite differences, f64, h = 1e-6: atol 1e-8, rtol 1e-6;
@@ -272,6 +274,112 @@ fn views_of_a_packed_tensor() {
     let (yc, gc) = run(composite);
     assert_close(&yf, &yc, 1e-6, 1e-5);
     assert_close(&gf, &gc, 1e-6, 1e-5);
+}
+
+/// `[b, t, 3 * h * dh]` through the split, permuted copy and head-major fused op, the path
+/// `causal_attention_packed` replaces on the CPU: output `[b, t, h * dh]`.
+fn split_then_fused(qkv: &Tensor, h: usize, scale: f64) -> Tensor {
+    let (b, t, w) = qkv.dims3().unwrap();
+    let dh = w / (3 * h);
+    let x = qkv
+        .reshape((b, t, 3, h, dh))
+        .unwrap()
+        .permute((2, 0, 3, 1, 4))
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    let (q, k, v) = (x.get(0).unwrap(), x.get(1).unwrap(), x.get(2).unwrap());
+    fused(&q, &k, &v, scale)
+        .transpose(1, 2)
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .reshape((b, t, h * dh))
+        .unwrap()
+}
+
+/// The output and the gradient of `qkv` of `f` on packed inputs, against a random upstream
+/// gradient.
+fn packed_run(
+    f: &dyn Fn(&Tensor) -> Tensor,
+    (b, t, h, dh): (usize, usize, usize, usize),
+    dtype: DType,
+) -> (Tensor, Tensor) {
+    let dev = Device::Cpu;
+    let n = b * t * h * dh;
+    let qkv = Var::from_tensor(
+        &Tensor::from_vec(values("qkv-packed", 3 * n), (b, t, 3 * h * dh), &dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap(),
+    )
+    .unwrap();
+    let y = f(qkv.as_tensor());
+    let r = Tensor::from_vec(values("r-packed", n), (b, t, h * dh), &dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    let grads = (y.clone() * r)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    (y, grads.get(&qkv).unwrap().clone())
+}
+
+/// The packed op is the split-permute-fused path bitwise (the same kernels on the same
+/// numbers, read in place instead of copied), forward and the gradient of `qkv`, in every
+/// float dtype, with a sequence length that is not a multiple of the query block.
+#[test]
+fn packed_qkv_is_the_split_path_bitwise() {
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for dims in [(2, 37, 3, 16), (1, 1, 2, 8), (3, 20, 1, 24)] {
+            let h = dims.2;
+            let scale = 1.0 / (dims.3 as f64).sqrt();
+            let (yp, gp) = packed_run(
+                &|x| ops::causal_attention_packed(x, h, scale).unwrap(),
+                dims,
+                dtype,
+            );
+            let (ys, gs) = packed_run(&|x| split_then_fused(x, h, scale), dims, dtype);
+            assert_eq!(yp.dims(), &[dims.0, dims.1, h * dims.3]);
+            assert_eq!(gp.dims(), &[dims.0, dims.1, 3 * h * dims.3]);
+            assert_eq!(flat(&yp), flat(&ys), "{dtype:?} {dims:?}: output");
+            assert_eq!(flat(&gp), flat(&gs), "{dtype:?} {dims:?}: qkv gradient");
+        }
+    }
+}
+
+#[test]
+fn packed_rejects_bad_input_naming_the_problem() {
+    let dev = Device::Cpu;
+    let bad_width = Tensor::zeros((1, 4, 3 * 2 * 8 + 1), DType::F32, &dev).unwrap();
+    let e = ops::causal_attention_packed(&bad_width, 2, 1.0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ModelError::Shape {
+                op: "causal_attention_packed",
+                what: "qkv",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("[1, 4, 49]"), "{e}");
+    let rank4 = Tensor::zeros((1, 2, 4, 48), DType::F32, &dev).unwrap();
+    assert!(ops::causal_attention_packed(&rank4, 2, 1.0).is_err());
+    let ok = Tensor::zeros((1, 4, 48), DType::F32, &dev).unwrap();
+    assert!(ops::causal_attention_packed(&ok, 0, 1.0).is_err());
+    let e = ops::causal_attention_packed(&ok, 2, f64::NAN).unwrap_err();
+    assert!(
+        matches!(e, ModelError::InvalidArgument { what: "scale", .. }),
+        "{e}"
+    );
+    let ints = Tensor::zeros((1, 4, 48), DType::U32, &dev).unwrap();
+    let e = ops::causal_attention_packed(&ints, 2, 1.0).unwrap_err();
+    assert!(matches!(e, ModelError::Dtype { what: "qkv", .. }), "{e}");
 }
 
 fn err(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> ModelError {

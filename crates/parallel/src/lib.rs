@@ -27,6 +27,7 @@ pub mod cuda;
 mod dims;
 mod engine;
 mod error;
+pub mod fastmath;
 mod flat;
 mod state;
 pub mod tp;

@@ -73,19 +73,11 @@ fn check(actual: &Tensor, expected: &Tensor, world: usize, what: &str) {
 }
 
 /// Dense `x W^T + b`: the one-rank linear op, bias added inside the product (what a
-/// column-parallel layer computes on its rows); the op itself is checked against candle's
+/// column-parallel layer computes on its rows, and a row-parallel one with one rank; with more
+/// it adds the bias after the all-reduce, within the tolerance); the op itself is checked against candle's
 /// composite matmul + broadcast add in its unit tests.
 fn dense(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
     kiln_parallel::tp::linear(x, w, Some(b)).unwrap()
-}
-
-/// Dense `(x W^T) + b` with the bias added after the product, as a row-parallel layer adds it
-/// after the all-reduce.
-fn dense_row(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
-    kiln_parallel::tp::linear(x, w, None)
-        .unwrap()
-        .broadcast_add(b)
-        .unwrap()
 }
 
 fn grad(g: &candle_core::backprop::GradStore, v: &Var) -> Tensor {
@@ -150,7 +142,7 @@ fn row_parallel_linear_matches_dense() {
     let up = uniform(&[2, 3, out], 13, 1.0);
     let xv = Var::from_tensor(&x).unwrap();
     let (wv, bv) = (Var::from_tensor(&w).unwrap(), Var::from_tensor(&b).unwrap());
-    let y = dense_row(xv.as_tensor(), wv.as_tensor(), bv.as_tensor());
+    let y = dense(xv.as_tensor(), wv.as_tensor(), bv.as_tensor());
     let g = (&y * &up).unwrap().sum_all().unwrap().backward().unwrap();
     let (dx, dw, db) = (grad(&g, &xv), grad(&g, &wv), grad(&g, &bv));
     for world in [1, 2, 4] {
@@ -214,7 +206,7 @@ fn dense_mlp(m: &Mlp, x: &Tensor, up: &Tensor) -> MlpResult {
     let h = dense(xv.as_tensor(), vars[0].as_tensor(), vars[1].as_tensor())
         .gelu()
         .unwrap();
-    let y = dense_row(&h, vars[2].as_tensor(), vars[3].as_tensor());
+    let y = dense(&h, vars[2].as_tensor(), vars[3].as_tensor());
     let g = (&y * up).unwrap().sum_all().unwrap().backward().unwrap();
     let grads = [0, 1, 2, 3].map(|i| grad(&g, &vars[i]));
     (y, grad(&g, &xv), grads)
@@ -380,7 +372,7 @@ fn attention_block_with_head_sharded_qkv_matches_dense() {
         .map(|t| Var::from_tensor(t).unwrap())
         .collect();
     let qkv = dense(xv.as_tensor(), vars[0].as_tensor(), vars[1].as_tensor());
-    let y = dense_row(
+    let y = dense(
         &attend(&qkv, n_heads, dh),
         vars[2].as_tensor(),
         vars[3].as_tensor(),

@@ -217,7 +217,15 @@ impl CustomOp3 for CausalAttention {
                     return Err(size_error(op, what, q.len(), x.len()));
                 }
             }
-            let (o, lse) = cpu::forward(&cpu::Qkv { q, k, v, t, dh }, self.scale)?;
+            let x = cpu::Qkv {
+                q,
+                k,
+                v,
+                t,
+                dh,
+                rows: cpu::Rows::HeadMajor,
+            };
+            let (o, lse) = cpu::forward(&x, self.scale)?;
             self.keep(Lse::Cpu(Arc::new(lse)))?;
             Ok((Elem::into_storage(o), l1.shape().clone()))
         })
@@ -340,13 +348,246 @@ impl CustomOp3 for CausalAttentionBwd {
                 return Err(size_error(op, "logsumexp", n / dh, lse.len()));
             }
             let out = cpu::backward(
-                &cpu::Qkv { q, k, v, t, dh },
+                &cpu::Qkv {
+                    q,
+                    k,
+                    v,
+                    t,
+                    dh,
+                    rows: cpu::Rows::HeadMajor,
+                },
                 &cpu::Grads { d_o, o, lse },
                 self.scale,
             )?;
             let mut dims = vec![3];
             dims.extend_from_slice(l1.dims());
             Ok((Elem::into_storage(out), Shape::from(dims)))
+        })
+    }
+}
+
+const PACKED_OP: &str = "causal_attention_packed";
+
+/// [`causal_attention`] straight from a fused QKV projection's output: `qkv` `[batch, seq, 3 *
+/// heads * head_dim]` holds each token's queries, keys and values for every head, in that
+/// order (`[b, t, 3, heads, head_dim]`, how the model's `c_attn` writes them); the result is
+/// `[batch, seq, heads * head_dim]`, the heads side by side, ready for the output projection.
+///
+/// The same numbers as splitting, permuting and calling [`causal_attention`], bitwise, but on
+/// the CPU it is one graph node: the kernels read the rows where they are, so no permuted copy
+/// exists, and the backward writes the gradient of `qkv` once instead of passing it back
+/// through a dozen reshapes, copies and narrows (each of which fills and adds a buffer of its
+/// own). On other devices it runs that composite.
+///
+/// ```
+/// # fn main() -> anyhow::Result<()> {
+/// use candle_core::{Device, Tensor};
+/// let qkv = Tensor::randn(0f32, 1.0, (2, 5, 3 * 4 * 8), &Device::Cpu)?; // 4 heads of 8
+/// let y = kiln_model::ops::causal_attention_packed(&qkv, 4, 0.125)?;
+/// assert_eq!(y.dims(), &[2, 5, 32]);
+/// # Ok(()) }
+/// ```
+pub fn causal_attention_packed(qkv: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
+    let (b, t, width) = match *qkv.dims() {
+        [b, t, w] if b > 0 && t > 0 && heads > 0 && w > 0 && w % (3 * heads) == 0 => (b, t, w),
+        ref d => {
+            return Err(ModelError::Shape {
+                op: PACKED_OP,
+                what: "qkv",
+                expected: format!("[batch, seq, 3 * {heads} heads * head_dim] with no zero size"),
+                got: format!("{d:?}"),
+            })
+        }
+    };
+    let dh = width / (3 * heads);
+    if !qkv.device().is_cpu() {
+        let qkv = qkv
+            .reshape((b, t, 3, heads, dh))?
+            .permute((2, 0, 3, 1, 4))?
+            .contiguous()?;
+        let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+        let y = causal_attention(&q, &k, &v, scale)?;
+        return Ok(y
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((b, t, heads * dh))?);
+    }
+    if !is_float(qkv.dtype()) {
+        return Err(ModelError::Dtype {
+            op: PACKED_OP,
+            what: "qkv",
+            expected: FLOAT_DTYPES,
+            got: qkv.dtype(),
+        });
+    }
+    if !scale.is_finite() {
+        return Err(ModelError::InvalidArgument {
+            op: PACKED_OP,
+            what: "scale",
+            value: scale,
+            expected: "a finite number",
+        });
+    }
+    let op = PackedAttention {
+        heads,
+        scale,
+        lse: Mutex::new(None),
+    };
+    Ok(qkv.contiguous()?.apply_op1(op)?)
+}
+
+/// `(b, t, head_dim)` of a packed `[b, t, 3 * heads * head_dim]` layout.
+fn packed_dims(
+    l: &Layout,
+    heads: usize,
+    op: &'static str,
+) -> candle_core::Result<(usize, usize, usize)> {
+    match *l.dims() {
+        [b, t, w] if b > 0 && t > 0 && w > 0 && w % (3 * heads) == 0 => Ok((b, t, w / (3 * heads))),
+        ref d => Err(ModelError::Shape {
+            op,
+            what: "qkv",
+            expected: format!("[batch, seq, 3 * {heads} heads * head_dim] with no zero size"),
+            got: format!("{d:?}"),
+        }
+        .into_candle()),
+    }
+}
+
+/// Head-major parts `[b * heads, t, dh]` each, interleaved into `[b, t, parts, heads, dh]`:
+/// the packed layout of `o` (one part) and of the gradient of `qkv` (three). Written in order,
+/// every element once.
+fn interleave_heads<T: Copy>(
+    parts: &[&[T]],
+    b: usize,
+    t: usize,
+    heads: usize,
+    dh: usize,
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(parts.len() * b * t * heads * dh);
+    for bi in 0..b {
+        for j in 0..t {
+            for part in parts {
+                for h in 0..heads {
+                    let at = ((bi * heads + h) * t + j) * dh;
+                    out.extend_from_slice(&part[at..at + dh]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The packed forward op: `qkv -> o`, keeping the logsumexp for the backward.
+struct PackedAttention {
+    heads: usize,
+    scale: f64,
+    lse: Mutex<Option<Arc<Vec<f64>>>>,
+}
+
+impl candle_core::CustomOp1 for PackedAttention {
+    fn name(&self) -> &'static str {
+        "kiln-causal-attention-packed"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let (b, t, dh) = packed_dims(l, self.heads, op)?;
+        with_float_storage!(s, op, |xs| {
+            let x = contiguous(xs, l, op)?;
+            let qkv = cpu::Qkv {
+                q: x,
+                k: x,
+                v: x,
+                t,
+                dh,
+                rows: cpu::Rows::Packed { heads: self.heads },
+            };
+            let (o, lse) = cpu::forward(&qkv, self.scale)?;
+            *self.lse.lock().map_err(|_| poisoned())? = Some(Arc::new(lse));
+            let o = interleave_heads(&[&o], b, t, self.heads, dh);
+            Ok((Elem::into_storage(o), Shape::from((b, t, self.heads * dh))))
+        })
+    }
+
+    fn bwd(&self, qkv: &Tensor, o: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let lse = self.lse.lock().map_err(|_| poisoned())?.clone();
+        let lse = lse.ok_or_else(|| {
+            candle_core::Error::msg(format!(
+                "{PACKED_OP}: backward without the forward's logsumexp"
+            ))
+        })?;
+        let bwd = PackedAttentionBwd {
+            heads: self.heads,
+            scale: self.scale,
+            lse,
+            o: o.contiguous()?,
+            d_o: grad.to_dtype(o.dtype())?.contiguous()?,
+        };
+        Ok(Some(qkv.apply_op1_no_bwd(&bwd)?))
+    }
+}
+
+/// The packed backward op: `qkv -> d qkv` (same layout), with the forward's output `o`, its
+/// gradient and logsumexp in the op (see [`CausalAttentionBwd`] for why they travel as fields).
+struct PackedAttentionBwd {
+    heads: usize,
+    scale: f64,
+    lse: Arc<Vec<f64>>,
+    o: Tensor,
+    d_o: Tensor,
+}
+
+impl candle_core::CustomOp1 for PackedAttentionBwd {
+    fn name(&self) -> &'static str {
+        "kiln-causal-attention-packed-bwd"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        let heads = self.heads;
+        let (b, t, dh) = packed_dims(l, heads, op)?;
+        let (os, lo) = self.o.storage_and_layout();
+        let (gs, lg) = self.d_o.storage_and_layout();
+        let (candle_core::Storage::Cpu(os), candle_core::Storage::Cpu(gs)) = (&*os, &*gs) else {
+            return Err(candle_core::Error::msg(format!(
+                "{op}: the forward's output and its gradient are not on the CPU"
+            )));
+        };
+        with_float_storage!(s, op, |xs| {
+            let x = contiguous(xs, l, op)?;
+            let o = contiguous(same_type(x, os, op)?, lo, op)?;
+            let d_o = contiguous(same_type(x, gs, op)?, lg, op)?;
+            let n = b * t * heads * dh;
+            for (what, v) in [("o", o), ("dO", d_o)] {
+                if v.len() != n {
+                    return Err(size_error(op, what, n, v.len()));
+                }
+            }
+            if self.lse.len() * dh != n {
+                return Err(size_error(op, "logsumexp", n / dh, self.lse.len()));
+            }
+            let rows = cpu::Rows::Packed { heads };
+            let out = cpu::backward(
+                &cpu::Qkv {
+                    q: x,
+                    k: x,
+                    v: x,
+                    t,
+                    dh,
+                    rows,
+                },
+                &cpu::Grads {
+                    d_o,
+                    o,
+                    lse: &self.lse,
+                },
+                self.scale,
+            )?;
+            let (dq, rest) = out.split_at(n);
+            let (dk, dv) = rest.split_at(n);
+            let d = interleave_heads(&[dq, dk, dv], b, t, heads, dh);
+            Ok((Elem::into_storage(d), l.shape().clone()))
         })
     }
 }

@@ -107,6 +107,31 @@ fn widen<T: Elem>(v: &[T]) -> Vec<T::F> {
     v.iter().map(|&x| x.load()).collect()
 }
 
+/// `y = (x - mean) rstd w + b` over one row.
+fn ln_row<T: Elem>(y: &mut [T], x: &[T], w: &[T::F], b: &[T::F], mean: T::F, rstd: T::F) {
+    kiln_parallel::simd_dispatch!(ln_row_avx512, ln_row_impl, (y, x, w, b, mean, rstd))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn ln_row_avx512<T: Elem>(
+    y: &mut [T],
+    x: &[T],
+    w: &[T::F],
+    b: &[T::F],
+    mean: T::F,
+    rstd: T::F,
+) {
+    ln_row_impl(y, x, w, b, mean, rstd)
+}
+
+#[inline(always)]
+fn ln_row_impl<T: Elem>(y: &mut [T], x: &[T], w: &[T::F], b: &[T::F], mean: T::F, rstd: T::F) {
+    for (((o, &v), &wj), &bj) in y.iter_mut().zip(x).zip(w).zip(b) {
+        *o = T::store((v.load() - mean) * rstd * wj + bj);
+    }
+}
+
 fn ln_fwd<T: Elem>(x: &[T], w: &[T], b: &[T], eps: f64) -> candle_core::Result<Vec<T>> {
     let d = w.len();
     let (w, b) = (widen(w), widen(b));
@@ -116,9 +141,7 @@ fn ln_fwd<T: Elem>(x: &[T], w: &[T], b: &[T], eps: f64) -> candle_core::Result<V
         for (r, yr) in out.chunks_mut(d).enumerate() {
             let xr = &x[(row0 + r) * d..(row0 + r + 1) * d];
             let (mean, rstd) = row_stats(xr, eps);
-            for j in 0..d {
-                yr[j] = T::store((xr[j].load() - mean) * rstd * w[j] + b[j]);
-            }
+            ln_row(yr, xr, &w, &b, mean, rstd);
         }
     })?;
     Ok(y)

@@ -13,7 +13,7 @@ mod gelu;
 mod layer_norm;
 mod softmax;
 
-pub use attention::causal_attention;
+pub use attention::{causal_attention, causal_attention_packed};
 pub use cross_entropy::cross_entropy;
 pub use gelu::{bias_gelu, gelu};
 pub use layer_norm::layer_norm;

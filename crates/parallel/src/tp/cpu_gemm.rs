@@ -504,19 +504,19 @@ impl Packing<'_> {
 }
 
 /// Mutex slots handing out disjoint chunks of `data` to work items.
-fn slots<T>(data: &mut [T], chunk: usize) -> Vec<Mutex<Option<&mut [T]>>> {
+pub(crate) fn slots<T>(data: &mut [T], chunk: usize) -> Vec<Mutex<Option<&mut [T]>>> {
     data.chunks_mut(chunk.max(1))
         .map(|c| Mutex::new(Some(c)))
         .collect()
 }
 
 /// The chunk of a slot, once.
-fn take<'a, T>(slot: &Mutex<Option<&'a mut [T]>>) -> Option<&'a mut [T]> {
+pub(crate) fn take<'a, T>(slot: &Mutex<Option<&'a mut [T]>>) -> Option<&'a mut [T]> {
     slot.lock().ok().and_then(|mut g| g.take())
 }
 
 /// Runs `f(i)` for `i` in `0..n` on candle's worker pool when the work is large enough.
-fn run_items(n: usize, work_per_item: usize, f: impl Fn(usize) + Sync) {
+pub(crate) fn run_items(n: usize, work_per_item: usize, f: impl Fn(usize) + Sync) {
     if n <= 1 || n * work_per_item < 1 << 16 {
         (0..n).for_each(f);
     } else {

@@ -107,13 +107,21 @@ struct Dims {
 }
 
 fn dims(lx: &Layout, lw: &Layout, lb: Option<&Layout>) -> candle_core::Result<Dims> {
-    let (rows, inf) = lx.shape().dims2()?;
+    let xd = lx.shape().dims();
     let (outf, inw) = lw.shape().dims2()?;
-    if inw != inf {
-        return Err(candle_core::Error::msg(format!(
-            "{OP}: x is [{rows}, {inf}] but the weight is [{outf}, {inw}]"
-        )));
-    }
+    let inf = match xd.last() {
+        Some(&inf) if inf == inw => inf,
+        _ => {
+            return Err(candle_core::Error::msg(format!(
+                "{OP}: x is {xd:?} but the weight is [{outf}, {inw}]"
+            )))
+        }
+    };
+    let rows = lx
+        .shape()
+        .elem_count()
+        .checked_div(inf)
+        .unwrap_or_else(|| xd[..xd.len() - 1].iter().product());
     if let Some(lb) = lb {
         if lb.shape().dims() != [outf] {
             return Err(candle_core::Error::msg(format!(
@@ -522,8 +530,17 @@ fn fwd_storage(
             None => None,
         };
         let y = forward(x, w, b, d, bf16_operands)?;
-        Ok((T::storage(y), Shape::from((d.rows, d.outf))))
+        Ok((T::storage(y), out_shape(lx, d.outf)))
     })
+}
+
+/// The output shape: `x`'s leading dimensions, then `outf`.
+fn out_shape(lx: &Layout, outf: usize) -> Shape {
+    let mut dims = lx.shape().dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = outf;
+    }
+    Shape::from(dims)
 }
 
 /// The CPU storage of a tensor, contiguous.
@@ -566,7 +583,7 @@ fn bwd_tensors(
         )?;
         let (dx, dw, db) = backward(xv, wv, gv, bias, d, bf16_operands)?;
         Ok((
-            Tensor::from_vec(dx, (d.rows, d.inf), dev)?,
+            Tensor::from_vec(dx, lx.shape(), dev)?,
             Tensor::from_vec(dw, (d.outf, d.inf), dev)?,
             db.map(|v| Tensor::from_vec(v, d.outf, dev)).transpose()?,
         ))

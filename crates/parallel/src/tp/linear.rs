@@ -18,19 +18,23 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
             got: format!("{dims:?}"),
         });
     }
-    let rows = x.elem_count() / in_f;
     let w = weight.to_dtype(x.dtype())?;
-    let x2 = x.contiguous()?.reshape((rows, in_f))?;
-    let y = if x.device().is_cpu() {
-        // one op, forward and backward (see `dense`)
+    if x.device().is_cpu() {
+        // one op, forward and backward, on `x` as it is shaped (see `dense`): a reshape
+        // would be a graph node whose backward fills and adds a gradient of `x`'s size
         let b = bias.map(|b| b.to_dtype(x.dtype())).transpose()?;
-        crate::tp::dense::linear_cpu(&x2, &w.contiguous()?, b.as_ref())?
-    } else {
-        let y = x2.matmul(&w.t()?)?;
-        match bias {
-            Some(b) => y.broadcast_add(&b.to_dtype(x.dtype())?)?,
-            None => y,
-        }
+        return Ok(crate::tp::dense::linear_cpu(
+            &x.contiguous()?,
+            &w.contiguous()?,
+            b.as_ref(),
+        )?);
+    }
+    let rows = x.elem_count() / in_f;
+    let x2 = x.contiguous()?.reshape((rows, in_f))?;
+    let y = x2.matmul(&w.t()?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(&b.to_dtype(x.dtype())?)?,
+        None => y,
     };
     let mut out_dims = dims.to_vec();
     if let Some(last) = out_dims.last_mut() {
@@ -54,13 +58,18 @@ pub fn column_parallel_linear(
 /// The row-parallel forward `g(x_r W_r^T) + b`: `x` `[.., in / tp]` is this rank's split input
 /// (for instance a column-parallel output), `weight` this rank's `[out, in / tp]` columns and
 /// `bias` the whole, replicated `[out]`, added once after the all-reduce `g`. The output
-/// `[.., out]` is replicated.
+/// `[.., out]` is replicated. With one rank there is nothing to reduce, and the layer is the
+/// dense [`linear`] (the bias inside the product).
 pub fn row_parallel_linear(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     comm: &TpComm,
 ) -> Result<Tensor> {
+    if comm.world_size() == 1 {
+        // no reduction to wait for: the bias goes into the product, as in a dense layer
+        return linear(x, weight, bias);
+    }
     let y = reduce_from_tp_region(&linear(x, weight, None)?, comm)?;
     Ok(match bias {
         Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,

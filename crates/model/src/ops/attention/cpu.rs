@@ -5,79 +5,175 @@
 //! each output element is one long dot product. Only a `BQ x t` block of scores exists at a
 //! time.
 //!
-//! On x86-64 with AVX2 and FMA the same code is compiled a second time with those features
-//! (`*_avx2`), where [`Float::mul_add`] is one instruction; elsewhere it uses a separate
-//! multiply and add. The two differ in rounding only.
+//! On x86-64 with AVX2 and FMA the same code is compiled again with those features (`*_avx2`,
+//! and `*_avx512` with AVX-512F too), where [`Float::mul_add`] is one instruction; elsewhere it
+//! uses a separate multiply and add. The FMA copies compute the same numbers (each reduction's
+//! lanes are explicit); they differ from the portable one in rounding only.
 
 use crate::kernel::{output_vec, par_each, Elem, Float};
 
 /// Query rows per block.
 const BQ: usize = 16;
 
-/// The inputs of one head or of all heads: `[heads, t, dh]` each.
+/// Where the rows of each head's `q`, `k`, `v` (and `o`, `dO`) lie.
+#[derive(Clone, Copy)]
+pub(super) enum Rows {
+    /// `[heads, t, dh]` each, one head after another.
+    HeadMajor,
+    /// As the fused QKV projection writes them: one buffer `[b, t, 3, heads, dh]` holding q,
+    /// k and v, and `o`, `dO` as `[b, t, heads, dh]`. The kernels read the rows where they
+    /// are, with no permuted copy.
+    Packed { heads: usize },
+}
+
+/// The inputs of all heads: `q`, `k`, `v` as `rows` says (in the packed layout all three are
+/// the one QKV buffer).
 pub(super) struct Qkv<'a, T> {
     pub(super) q: &'a [T],
     pub(super) k: &'a [T],
     pub(super) v: &'a [T],
     pub(super) t: usize,
     pub(super) dh: usize,
+    pub(super) rows: Rows,
+}
+
+/// One head's `q`, `k`, `v`: row `j` of each at `j * rs`.
+struct Head<'a, T> {
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    t: usize,
+    dh: usize,
+    rs: usize,
 }
 
 impl<'a, T> Qkv<'a, T> {
-    fn head(&self, h: usize) -> Qkv<'a, T> {
-        let r = h * self.t * self.dh..(h + 1) * self.t * self.dh;
-        Qkv {
-            q: &self.q[r.clone()],
-            k: &self.k[r.clone()],
-            v: &self.v[r],
-            t: self.t,
-            dh: self.dh,
+    /// The number of heads over the whole batch.
+    fn heads(&self) -> usize {
+        match self.rows {
+            Rows::HeadMajor => self.q.len() / (self.t * self.dh),
+            Rows::Packed { .. } => self.q.len() / (3 * self.t * self.dh),
+        }
+    }
+
+    fn head(&self, h: usize) -> Head<'a, T> {
+        let (t, dh) = (self.t, self.dh);
+        match self.rows {
+            Rows::HeadMajor => {
+                let at = h * t * dh;
+                Head {
+                    q: &self.q[at..],
+                    k: &self.k[at..],
+                    v: &self.v[at..],
+                    t,
+                    dh,
+                    rs: dh,
+                }
+            }
+            Rows::Packed { heads } => {
+                let width = heads * dh;
+                let at = (h / heads) * t * 3 * width + (h % heads) * dh;
+                Head {
+                    q: &self.q[at..],
+                    k: &self.k[at + width..],
+                    v: &self.v[at + 2 * width..],
+                    t,
+                    dh,
+                    rs: 3 * width,
+                }
+            }
         }
     }
 }
 
-/// The backward's further inputs: the output gradient `d_o` and output `o` (`[heads, t, dh]`),
-/// and the forward's logsumexp per row (`[heads, t]`).
+/// The backward's further inputs: the output gradient `d_o` and output `o` (laid out as
+/// `rows` says: `[heads, t, dh]` or `[b, t, heads, dh]`), and the forward's logsumexp per
+/// row (`[heads, t]`).
 pub(super) struct Grads<'a, T> {
     pub(super) d_o: &'a [T],
     pub(super) o: &'a [T],
     pub(super) lse: &'a [f64],
 }
 
-/// Whether the `*_avx2` kernels can run here.
-fn simd_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+/// One head's `dO` and `o` (row `j` at `j * rs`) and logsumexp.
+struct HeadG<'a, T> {
+    d_o: &'a [T],
+    o: &'a [T],
+    lse: &'a [f64],
+    rs: usize,
+}
+
+impl<'a, T> Grads<'a, T> {
+    fn head(&self, h: usize, t: usize, dh: usize, rows: Rows) -> HeadG<'a, T> {
+        let (at, rs) = match rows {
+            Rows::HeadMajor => (h * t * dh, dh),
+            Rows::Packed { heads } => ((h / heads) * t * heads * dh + (h % heads) * dh, heads * dh),
+        };
+        HeadG {
+            d_o: &self.d_o[at..],
+            o: &self.o[at..],
+            lse: &self.lse[h * t..(h + 1) * t],
+            rs,
+        }
     }
 }
 
-/// Forward of all heads: the output and each row's logsumexp of its scaled scores.
+/// Row `j` of a head's rows `rs` apart.
+#[inline(always)]
+fn row<T>(s: &[T], j: usize, rs: usize, dh: usize) -> &[T] {
+    &s[j * rs..j * rs + dh]
+}
+
+/// Which compiled copy of the kernels runs: the portable one (separate multiply and add), or
+/// one with FMA compiled for AVX2 or for AVX-512 (the same numbers, 8 or 16 lanes wide).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Simd {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+/// The widest copy this CPU runs.
+fn simd() -> Simd {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let fma = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma");
+        if fma && std::arch::is_x86_feature_detected!("avx512f") {
+            return Simd::Avx512;
+        }
+        if fma {
+            return Simd::Avx2;
+        }
+    }
+    Simd::Portable
+}
+
+/// Forward of all heads: the output, `[heads, t, dh]` one head after another whatever the
+/// input layout, and each row's logsumexp of its scaled scores.
 pub(super) fn forward<T: Elem>(
     x: &Qkv<'_, T>,
     scale: f64,
 ) -> candle_core::Result<(Vec<T>, Vec<f64>)> {
     let (t, dh) = (x.t, x.dh);
     let head = t * dh;
-    let fma = simd_fma();
+    let n = x.heads() * head;
+    let simd = simd();
     let scale = <T::F as Float>::from_f64(scale);
-    let mut o = output_vec::<T>(x.q.len());
-    let mut lse = vec![0f64; x.q.len() / dh];
+    let mut o = output_vec::<T>(n);
+    let mut lse = vec![0f64; n / dh];
     let items: Vec<_> = o
         .chunks_exact_mut(head)
         .zip(lse.chunks_exact_mut(t))
         .collect();
     par_each(items, t * head, Scratch::default, |w, h, (oh, lh)| {
-        fwd_head(&x.head(h), scale, oh, lh, w, fma);
+        fwd_head(&x.head(h), scale, oh, lh, w, simd);
     })?;
     Ok((o, lse))
 }
 
-/// Backward of all heads: `[dq; dk; dv]`, each `[heads, t, dh]`.
+/// Backward of all heads: `[dq; dk; dv]`, each `[heads, t, dh]` one head after another
+/// whatever the input layout.
 pub(super) fn backward<T: Elem>(
     x: &Qkv<'_, T>,
     g: &Grads<'_, T>,
@@ -85,8 +181,8 @@ pub(super) fn backward<T: Elem>(
 ) -> candle_core::Result<Vec<T>> {
     let (t, dh) = (x.t, x.dh);
     let head = t * dh;
-    let n = x.q.len();
-    let fma = simd_fma();
+    let n = x.heads() * head;
+    let simd = simd();
     let scale = <T::F as Float>::from_f64(scale);
     let mut out = output_vec::<T>(3 * n);
     let (dq, rest) = out.split_at_mut(n);
@@ -98,13 +194,8 @@ pub(super) fn backward<T: Elem>(
         .map(|((dq, dk), dv)| HeadGrads { dq, dk, dv })
         .collect();
     par_each(items, 3 * t * head, Scratch::default, |w, h, out| {
-        let r = h * head..(h + 1) * head;
-        let gh = Grads {
-            d_o: &g.d_o[r.clone()],
-            o: &g.o[r],
-            lse: &g.lse[h * t..(h + 1) * t],
-        };
-        bwd_head(&x.head(h), &gh, scale, out, w, fma);
+        let gh = g.head(h, t, dh, x.rows);
+        bwd_head(&x.head(h), &gh, scale, out, w, simd);
     })?;
     Ok(out)
 }
@@ -150,28 +241,41 @@ impl<F> Default for Scratch<F> {
 }
 
 fn fwd_head<T: Elem>(
-    x: &Qkv<'_, T>,
+    x: &Head<'_, T>,
     scale: T::F,
     o: &mut [T],
     lse: &mut [f64],
     w: &mut Scratch<T::F>,
-    fma: bool,
+    simd: Simd,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if fma {
-        // SAFETY: `fma` is true only where `simd_fma` found AVX2 and FMA, all that
-        // `fwd_head_avx2` needs.
-        unsafe { fwd_head_avx2(x, scale, o, lse, w) };
-        return;
+    match simd {
+        // SAFETY: `simd()` chose `Avx512` only where the CPU has AVX-512F, AVX2 and FMA, all
+        // that `fwd_head_avx512` needs.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => unsafe { fwd_head_avx512(x, scale, o, lse, w) },
+        // SAFETY: `simd()` chose `Avx2` only where the CPU has AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { fwd_head_avx2(x, scale, o, lse, w) },
+        _ => fwd_head_impl::<T, false>(x, scale, o, lse, w),
     }
-    let _ = fma;
-    fwd_head_impl::<T, false>(x, scale, o, lse, w);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn fwd_head_avx512<T: Elem>(
+    x: &Head<'_, T>,
+    scale: T::F,
+    o: &mut [T],
+    lse: &mut [f64],
+    w: &mut Scratch<T::F>,
+) {
+    fwd_head_impl::<T, true>(x, scale, o, lse, w);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn fwd_head_avx2<T: Elem>(
-    x: &Qkv<'_, T>,
+    x: &Head<'_, T>,
     scale: T::F,
     o: &mut [T],
     lse: &mut [f64],
@@ -185,7 +289,7 @@ unsafe fn fwd_head_avx2<T: Elem>(
 /// p_ij`, `L_i = max_i + ln(sum_j p_ij)`.
 #[inline(always)]
 fn fwd_head_impl<T: Elem, const FMA: bool>(
-    x: &Qkv<'_, T>,
+    x: &Head<'_, T>,
     scale: T::F,
     o: &mut [T],
     lse: &mut [f64],
@@ -193,14 +297,14 @@ fn fwd_head_impl<T: Elem, const FMA: bool>(
 ) {
     let (t, dh) = (x.t, x.dh);
     let (zero, one) = (<T::F as Float>::ZERO, <T::F as Float>::ONE);
-    transpose(x.k, t, dh, &mut w.kt);
-    transpose(x.v, t, dh, &mut w.vt);
+    transpose(x.k, t, dh, x.rs, &mut w.kt);
+    transpose(x.v, t, dh, x.rs, &mut w.vt);
     w.s.resize(BQ * t, zero);
     for (b, ob) in o.chunks_mut(BQ * dh).enumerate() {
         let i0 = b * BQ;
         let rows = ob.len() / dh;
         let nk = i0 + rows;
-        widen(&x.q[i0 * dh..nk * dh], scale, &mut w.q);
+        widen(x.q, i0..nk, x.rs, dh, scale, &mut w.q);
         scores::<_, FMA>(&w.q, &w.kt, dh, t, nk, &mut w.s);
         for (r, (orow, li)) in ob
             .chunks_exact_mut(dh)
@@ -226,29 +330,42 @@ fn fwd_head_impl<T: Elem, const FMA: bool>(
 }
 
 fn bwd_head<T: Elem>(
-    x: &Qkv<'_, T>,
-    g: &Grads<'_, T>,
+    x: &Head<'_, T>,
+    g: &HeadG<'_, T>,
     scale: T::F,
     out: HeadGrads<'_, T>,
     w: &mut Scratch<T::F>,
-    fma: bool,
+    simd: Simd,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if fma {
-        // SAFETY: `fma` is true only where `simd_fma` found AVX2 and FMA, all that
-        // `bwd_head_avx2` needs.
-        unsafe { bwd_head_avx2(x, g, scale, out, w) };
-        return;
+    match simd {
+        // SAFETY: `simd()` chose `Avx512` only where the CPU has AVX-512F, AVX2 and FMA, all
+        // that `bwd_head_avx512` needs.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => unsafe { bwd_head_avx512(x, g, scale, out, w) },
+        // SAFETY: `simd()` chose `Avx2` only where the CPU has AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { bwd_head_avx2(x, g, scale, out, w) },
+        _ => bwd_head_impl::<T, false>(x, g, scale, out, w),
     }
-    let _ = fma;
-    bwd_head_impl::<T, false>(x, g, scale, out, w);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn bwd_head_avx512<T: Elem>(
+    x: &Head<'_, T>,
+    g: &HeadG<'_, T>,
+    scale: T::F,
+    out: HeadGrads<'_, T>,
+    w: &mut Scratch<T::F>,
+) {
+    bwd_head_impl::<T, true>(x, g, scale, out, w);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn bwd_head_avx2<T: Elem>(
-    x: &Qkv<'_, T>,
-    g: &Grads<'_, T>,
+    x: &Head<'_, T>,
+    g: &HeadG<'_, T>,
     scale: T::F,
     out: HeadGrads<'_, T>,
     w: &mut Scratch<T::F>,
@@ -261,16 +378,16 @@ unsafe fn bwd_head_avx2<T: Elem>(
 /// `dq_i = scale sum_j ds_ij k_j`, `dk_j += scale sum_i ds_ij q_i`, `dv_j += sum_i p_ij dO_i`.
 #[inline(always)]
 fn bwd_head_impl<T: Elem, const FMA: bool>(
-    x: &Qkv<'_, T>,
-    g: &Grads<'_, T>,
+    x: &Head<'_, T>,
+    g: &HeadG<'_, T>,
     scale: T::F,
     out: HeadGrads<'_, T>,
     w: &mut Scratch<T::F>,
 ) {
     let (t, dh) = (x.t, x.dh);
     let (zero, one) = (<T::F as Float>::ZERO, <T::F as Float>::ONE);
-    transpose(x.k, t, dh, &mut w.kt);
-    transpose(x.v, t, dh, &mut w.vt);
+    transpose(x.k, t, dh, x.rs, &mut w.kt);
+    transpose(x.v, t, dh, x.rs, &mut w.vt);
     for buf in [&mut w.dkt, &mut w.dvt] {
         buf.clear();
         buf.resize(dh * t, zero);
@@ -283,13 +400,13 @@ fn bwd_head_impl<T: Elem, const FMA: bool>(
         let rows = dqb.len() / dh;
         let nk = i0 + rows;
         // q carries the scale, as in the forward, so the scores are computed identically
-        widen(&x.q[i0 * dh..nk * dh], scale, &mut w.q);
-        widen(&g.d_o[i0 * dh..nk * dh], one, &mut w.g);
+        widen(x.q, i0..nk, x.rs, dh, scale, &mut w.q);
+        widen(g.d_o, i0..nk, g.rs, dh, one, &mut w.g);
         scores::<_, FMA>(&w.q, &w.kt, dh, t, nk, &mut w.s);
         scores::<_, FMA>(&w.g, &w.vt, dh, t, nk, &mut w.dp);
         for (r, dqrow) in dqb.chunks_exact_mut(dh).enumerate() {
             let i = i0 + r;
-            widen(&g.o[i * dh..(i + 1) * dh], one, &mut w.orow);
+            widen(g.o, i..i + 1, g.rs, dh, one, &mut w.orow);
             let delta = dot::<_, FMA>(&w.g[r * dh..(r + 1) * dh], &w.orow);
             let l = <T::F as Float>::from_f64(g.lse[i]);
             let (p, ds) = (&mut w.s[r * t..r * t + nk], &mut w.dp[r * t..r * t + nk]);
@@ -337,20 +454,30 @@ fn madd<F: Float, const FMA: bool>(a: F, b: F, c: F) -> F {
     }
 }
 
-/// `dst = scale * src` in the arithmetic type.
+/// `dst = scale * src` for the rows `rows` of `src` (`rs` apart) in the arithmetic type,
+/// `[rows, dh]` contiguous.
 #[inline(always)]
-fn widen<T: Elem>(src: &[T], scale: T::F, dst: &mut Vec<T::F>) {
+fn widen<T: Elem>(
+    src: &[T],
+    rows: std::ops::Range<usize>,
+    rs: usize,
+    dh: usize,
+    scale: T::F,
+    dst: &mut Vec<T::F>,
+) {
     dst.clear();
-    dst.extend(src.iter().map(|&x| x.load() * scale));
+    for j in rows {
+        dst.extend(row(src, j, rs, dh).iter().map(|&x| x.load() * scale));
+    }
 }
 
-/// `[t, dh]` to `[dh, t]`, widened.
+/// `t` rows of `dh` (`rs` apart) to `[dh, t]`, widened.
 #[inline(always)]
-fn transpose<T: Elem>(src: &[T], t: usize, dh: usize, dst: &mut Vec<T::F>) {
+fn transpose<T: Elem>(src: &[T], t: usize, dh: usize, rs: usize, dst: &mut Vec<T::F>) {
     dst.clear();
     dst.resize(t * dh, <T::F as Float>::ZERO);
-    for (j, row) in src.chunks_exact(dh).enumerate() {
-        for (d, &x) in row.iter().enumerate() {
+    for j in 0..t {
+        for (d, &x) in row(src, j, rs, dh).iter().enumerate() {
             dst[d * t + j] = x.load();
         }
     }
@@ -514,19 +641,16 @@ mod tests {
             v: &v,
             t,
             dh,
+            rows: Rows::HeadMajor,
         };
         let scale = 0.3f32;
         let (o, lse) = forward(&x, f64::from(scale)).unwrap();
-        let grads = backward(
-            &x,
-            &Grads {
-                d_o: &d_o,
-                o: &o,
-                lse: &lse,
-            },
-            f64::from(scale),
-        )
-        .unwrap();
+        let all = Grads {
+            d_o: &d_o,
+            o: &o,
+            lse: &lse,
+        };
+        let grads = backward(&x, &all, f64::from(scale)).unwrap();
         let close = |a: &[f32], b: &[f32]| {
             assert_eq!(a.len(), b.len());
             for (x, y) in a.iter().zip(b) {
@@ -539,28 +663,79 @@ mod tests {
             let xh = x.head(h);
             let mut oh = vec![0f32; head];
             let mut lh = vec![0f64; t];
-            fwd_head(&xh, scale, &mut oh, &mut lh, &mut w, false);
+            fwd_head(&xh, scale, &mut oh, &mut lh, &mut w, Simd::Portable);
             close(&oh, &o[h * head..(h + 1) * head]);
             for (a, b) in lh.iter().zip(&lse[h * t..(h + 1) * t]) {
                 assert!((a - b).abs() < 1e-5, "{a} vs {b}");
             }
             let (mut dq, mut dk, mut dv) = (vec![0f32; head], vec![0f32; head], vec![0f32; head]);
-            let r = h * head..(h + 1) * head;
-            let gh = Grads {
-                d_o: &d_o[r.clone()],
-                o: &o[r],
-                lse: &lse[h * t..(h + 1) * t],
+            let gh = all.head(h, t, dh, Rows::HeadMajor);
+            let out = HeadGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+            };
+            bwd_head(&xh, &gh, scale, out, &mut w, Simd::Portable);
+            for (c, mine) in [dq, dk, dv].iter().enumerate() {
+                let at = c * n + h * head;
+                close(mine, &grads[at..at + head]);
+            }
+        }
+    }
+    /// The AVX2 and AVX-512 copies compute the same numbers, bitwise (every reduction's lanes
+    /// are explicit and every fused multiply-add is asked for), so a run does not depend on
+    /// which copy the CPU picks.
+    #[test]
+    fn avx2_and_avx512_copies_agree_bitwise() {
+        if simd() != Simd::Avx512 {
+            println!("skipped: this CPU has no AVX-512F, AVX2 and FMA");
+            return;
+        }
+        let (t, dh) = (45, 32);
+        let n = t * dh;
+        let val = |i: usize, s: usize| (((i * 7919 + s * 104_729) % 1000) as f32 / 500.0) - 1.0;
+        let [q, k, v, d_o]: [Vec<f32>; 4] =
+            [1, 2, 3, 4].map(|s| (0..n).map(|i| val(i, s)).collect());
+        let xh = Head {
+            q: &q,
+            k: &k,
+            v: &v,
+            t,
+            dh,
+            rs: dh,
+        };
+        let run = |simd: Simd| {
+            let mut w = Scratch::default();
+            let (mut o, mut lse) = (vec![0f32; n], vec![0f64; t]);
+            fwd_head(&xh, 0.2f32, &mut o, &mut lse, &mut w, simd);
+            let (mut dq, mut dk, mut dv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+            let g = HeadG {
+                d_o: &d_o,
+                o: &o,
+                lse: &lse,
+                rs: dh,
             };
             let out = HeadGrads {
                 dq: &mut dq,
                 dk: &mut dk,
                 dv: &mut dv,
             };
-            bwd_head(&xh, &gh, scale, out, &mut w, false);
-            for (c, mine) in [dq, dk, dv].iter().enumerate() {
-                let at = c * n + h * head;
-                close(mine, &grads[at..at + head]);
-            }
+            bwd_head(&xh, &g, 0.2f32, out, &mut w, simd);
+            (o, lse, dq, dk, dv)
+        };
+        let (a, b) = (run(Simd::Avx2), run(Simd::Avx512));
+        assert_eq!(a.1, b.1, "logsumexp");
+        for (what, x, y) in [
+            ("o", &a.0, &b.0),
+            ("dq", &a.2, &b.2),
+            ("dk", &a.3, &b.3),
+            ("dv", &a.4, &b.4),
+        ] {
+            let same = x
+                .iter()
+                .zip(y.iter())
+                .all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(same, "{what} differs between the AVX2 and AVX-512 copies");
         }
     }
 }

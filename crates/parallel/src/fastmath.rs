@@ -1,0 +1,107 @@
+//! Element-wise math the CPU kernels share: a branch-free `exp` that vectorises, and whether
+//! the CPU has the vector unit the kernels' AVX-512 copies need.
+
+/// Cephes-style `exp` for f32: `2^n * p(r)` with `x = n ln2 + r`, `|r| <= ln2 / 2`; inputs
+/// are clamped to [-87.3, 88.3] so that `2^n` stays a normal float. Relative error below 4e-7
+/// against f64's `exp`; no branch and no table, so loops over it auto-vectorise (the CPU
+/// cross-entropy, softmax, GELU and attention kernels use it).
+///
+/// ```
+/// let e = kiln_parallel::fastmath::exp_f32(1.0);
+/// assert!((e - std::f32::consts::E).abs() < 1e-6);
+/// ```
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits
+    const MAGIC: f32 = 12_582_912.0;
+    let x = x.clamp(-87.3, 88.3);
+    let z = x * LOG2E + MAGIC;
+    let n = z - MAGIC;
+    let ni = (z.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let e = p * r * r + r + 1.0;
+    e * f32::from_bits(((ni + 127) << 23) as u32)
+}
+
+/// Whether this CPU has AVX-512F: kernels then run a copy of their loops compiled for it
+/// (`#[target_feature(enable = "avx512f")]`), 16 lanes wide instead of the baseline's 4. Rust
+/// never contracts a multiply and an add into one instruction on its own, so the copies
+/// compute the same numbers.
+#[inline]
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The body of a kernel function that runs `$avx512(args)`, a copy compiled with
+/// `#[target_feature(enable = "avx512f")]`, where the CPU has AVX-512F ([`has_avx512`]), and
+/// `$portable(args)` elsewhere. Both copies call one `#[inline(always)]` implementation, so the
+/// loops are the same code and compute the same numbers; the copy only vectorises wider. The
+/// arguments are names of variables, so no expression is evaluated inside the `unsafe` call.
+///
+/// ```
+/// fn double_all(x: &mut [f32]) {
+///     kiln_parallel::simd_dispatch!(double_all_avx512, double_all_impl, (x))
+/// }
+/// #[cfg(target_arch = "x86_64")]
+/// #[target_feature(enable = "avx512f")]
+/// unsafe fn double_all_avx512(x: &mut [f32]) {
+///     double_all_impl(x)
+/// }
+/// #[inline(always)]
+/// fn double_all_impl(x: &mut [f32]) {
+///     x.iter_mut().for_each(|v| *v *= 2.0)
+/// }
+/// let mut v = vec![1f32; 40];
+/// double_all(&mut v);
+/// assert!(v.iter().all(|&x| x == 2.0));
+/// ```
+#[macro_export]
+macro_rules! simd_dispatch {
+    ($avx512:ident, $portable:ident, ($($arg:ident),* $(,)?)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if $crate::fastmath::has_avx512() {
+                // SAFETY: the CPU has AVX-512F, all that the copy was compiled for.
+                #[allow(unused_unsafe)]
+                return unsafe { $avx512($($arg),*) };
+            }
+        }
+        $portable($($arg),*)
+    }};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_against_f64() {
+        let mut worst = 0f64;
+        for i in -87_000..88_000 {
+            let x = i as f32 * 1e-3;
+            let e = exp_f32(x) as f64;
+            let r = (x as f64).exp();
+            worst = worst.max((e - r).abs() / r);
+        }
+        assert!(worst < 4e-7, "exp relative error {worst}");
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert!(exp_f32(f32::NEG_INFINITY) < 1e-37 && exp_f32(-1e30) >= 0.0);
+        assert!(exp_f32(100.0).is_finite());
+    }
+}
