@@ -29,7 +29,10 @@ pub struct GptOptions {
     /// ([`kiln_parallel::tp::MatmulPrecision::Bf16`], the `avx512_bf16` dot product), while
     /// the activations between them, their gradients and the normalisation, attention
     /// softmax, GELU and loss stay f32 (candle's element-wise bf16 CPU kernels are slower than
-    /// its f32 ones). On CUDA every tensor of the forward is bf16.
+    /// its f32 ones). f16 on the CPU computes the same way with f16 operands
+    /// ([`kiln_parallel::tp::MatmulPrecision::F16`]): what an f16 matrix unit with f32
+    /// accumulation computes, a scaled gradient beyond f16's range still overflowing in the
+    /// product for the loss scaler to see. On CUDA every tensor of the forward is bf16 or f16.
     pub compute_dtype: DType,
     /// Targets equal to this id are left out of the loss (padding).
     pub ignore_index: Option<u32>,
@@ -606,30 +609,36 @@ impl Gpt {
         self.opts.compute_dtype
     }
 
-    /// The dtype of the hidden states between segments: the compute dtype, except bf16 on the
-    /// CPU, which keeps f32 activations and multiplies in bf16 (see
+    /// The dtype of the hidden states between segments: the compute dtype, except bf16 and f16
+    /// on the CPU, which keep f32 activations and multiply in the half type (see
     /// [`GptOptions::compute_dtype`]).
     pub fn activation_dtype(&self) -> DType {
-        if self.cpu_bf16() {
+        if self.cpu_half().is_some() {
             DType::F32
         } else {
             self.opts.compute_dtype
         }
     }
 
-    /// bf16 compute on the CPU: f32 tensors, bf16 matrix products.
-    fn cpu_bf16(&self) -> bool {
-        self.opts.compute_dtype == DType::BF16 && self.opts.device.is_cpu()
+    /// Half-precision compute on the CPU: f32 tensors, matrix products at this precision.
+    fn cpu_half(&self) -> Option<MatmulPrecision> {
+        if !self.opts.device.is_cpu() {
+            return None;
+        }
+        match self.opts.compute_dtype {
+            DType::BF16 => Some(MatmulPrecision::Bf16),
+            DType::F16 => Some(MatmulPrecision::F16),
+            _ => None,
+        }
     }
 
-    /// Runs `f` with bf16 matrix products when computing in bf16 on the CPU; otherwise under
-    /// the thread's own [`kiln_parallel::tp::matmul_precision`] (which a caller may set, as
-    /// PyTorch's `set_float32_matmul_precision` does for an f32 model).
+    /// Runs `f` with bf16 or f16 matrix products when computing in that type on the CPU;
+    /// otherwise under the thread's own [`kiln_parallel::tp::matmul_precision`] (which a caller
+    /// may set, as PyTorch's `set_float32_matmul_precision` does for an f32 model).
     fn in_precision<R>(&self, f: impl FnOnce() -> R) -> R {
-        if self.cpu_bf16() {
-            with_matmul_precision(MatmulPrecision::Bf16, f)
-        } else {
-            f()
+        match self.cpu_half() {
+            Some(p) => with_matmul_precision(p, f),
+            None => f(),
         }
     }
 

@@ -400,14 +400,9 @@ fn half_precision_compute_trains_the_f32_master_weights() {
     // loss and gradient agreement: f16 keeps ~3 decimal digits, bf16 ~2
     for (dtype, loss_rtol, grad_tol) in [(DType::F16, 2e-3, 0.02), (DType::BF16, 1e-2, 0.1)] {
         let model = Gpt::new(&cfg, &GptOptions::seeded(8).with_compute_dtype(dtype)).unwrap();
-        // bf16 on the CPU keeps f32 activations and multiplies in bf16
-        let activations = if dtype == DType::BF16 {
-            DType::F32
-        } else {
-            dtype
-        };
-        assert_eq!(model.activation_dtype(), activations);
-        assert_eq!(model.forward(&x).unwrap().dtype(), activations);
+        // half types on the CPU keep f32 activations and multiply in the half type
+        assert_eq!(model.activation_dtype(), DType::F32);
+        assert_eq!(model.forward(&x).unwrap().dtype(), DType::F32);
         let loss = model.loss(&x, &y).unwrap();
         assert_eq!(loss.dtype(), DType::F32);
         assert!(
@@ -436,33 +431,43 @@ fn half_precision_compute_trains_the_f32_master_weights() {
     }
 }
 
-/// bf16 compute on the CPU is the f32 model with every linear product at bf16 operands:
-/// bitwise the f32 model run under `MatmulPrecision::Bf16`, and not the f32 model itself.
+/// bf16 (f16) compute on the CPU is the f32 model with every linear product at bf16 (f16)
+/// operands: bitwise the f32 model run under `MatmulPrecision::Bf16` (`F16`), and not the f32
+/// model itself.
 #[test]
-fn cpu_bf16_compute_is_f32_with_bf16_products() {
+fn cpu_half_compute_is_f32_with_half_products() {
     use kiln_parallel::tp::{with_matmul_precision, MatmulPrecision};
     let cfg = GptConfig::tiny();
     let (x, y) = batch(2, 32, cfg.vocab_size, 10);
     let f32_model = Gpt::new(&cfg, &GptOptions::seeded(9)).unwrap();
-    let bf16_model =
-        Gpt::new(&cfg, &GptOptions::seeded(9).with_compute_dtype(DType::BF16)).unwrap();
     let exact = scalar(&f32_model.loss(&x, &y).unwrap());
-    let bf16 = bf16_model.loss(&x, &y).unwrap();
-    let g_bf16 = bf16.backward().unwrap();
-    let emulated = with_matmul_precision(MatmulPrecision::Bf16, || f32_model.loss(&x, &y)).unwrap();
-    let g_emulated = emulated.backward().unwrap();
-    assert_eq!(scalar(&bf16).to_bits(), scalar(&emulated).to_bits());
-    assert_ne!(scalar(&bf16).to_bits(), exact.to_bits());
-    for ((n, v), (_, ve)) in bf16_model
-        .named_parameters()
-        .iter()
-        .zip(f32_model.named_parameters())
-    {
+    for (dtype, precision) in [
+        (DType::BF16, MatmulPrecision::Bf16),
+        (DType::F16, MatmulPrecision::F16),
+    ] {
+        let half_model = Gpt::new(&cfg, &GptOptions::seeded(9).with_compute_dtype(dtype)).unwrap();
+        assert_eq!(half_model.activation_dtype(), DType::F32);
+        let half = half_model.loss(&x, &y).unwrap();
+        let g_half = half.backward().unwrap();
+        let emulated = with_matmul_precision(precision, || f32_model.loss(&x, &y)).unwrap();
+        let g_emulated = emulated.backward().unwrap();
         assert_eq!(
-            flat(g_bf16.get(v).unwrap()),
-            flat(g_emulated.get(&ve).unwrap()),
-            "{n}"
+            scalar(&half).to_bits(),
+            scalar(&emulated).to_bits(),
+            "{dtype:?}"
         );
+        assert_ne!(scalar(&half).to_bits(), exact.to_bits(), "{dtype:?}");
+        for ((n, v), (_, ve)) in half_model
+            .named_parameters()
+            .iter()
+            .zip(f32_model.named_parameters())
+        {
+            assert_eq!(
+                flat(g_half.get(v).unwrap()),
+                flat(g_emulated.get(&ve).unwrap()),
+                "{dtype:?} {n}"
+            );
+        }
     }
 }
 

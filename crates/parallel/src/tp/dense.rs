@@ -17,6 +17,7 @@
 use crate::tp::cpu_gemm;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor, WithDType};
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 const OP: &str = "kiln-linear";
@@ -29,8 +30,9 @@ const OP: &str = "kiln-linear";
 /// (twice f32 FMA's rate), the result staying f32: the tensors around the product, their
 /// gradients and every other op stay f32. This is how kiln-model computes in bf16 on the CPU
 /// (see `GptOptions::compute_dtype`), where candle's element-wise bf16 kernels are slower than
-/// its f32 ones. Tensors stored in bf16, f16 or f64 are multiplied in their own type whatever
-/// the setting.
+/// its f32 ones. [`MatmulPrecision::F16`] does the same with f16 operands (kiln-model's f16
+/// compute on the CPU). Tensors stored in bf16, f16 or f64 are multiplied in their own type
+/// whatever the setting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MatmulPrecision {
     /// f32 operands (the default).
@@ -38,6 +40,12 @@ pub enum MatmulPrecision {
     Highest,
     /// bf16 operands, f32 accumulation and result.
     Bf16,
+    /// f16 operands (rounded to nearest even, beyond 65504 to infinity), f32 accumulation and
+    /// result: what an f16 matrix unit with f32 accumulation computes. This CPU family has no
+    /// f16 dot product, so the rounded operands run through the f32 kernel (a copy of each
+    /// operand per product, a few percent of it). A scaled gradient too large for f16 becomes
+    /// infinite in the product, so a dynamic loss scaler sees the overflow it exists for.
+    F16,
 }
 
 thread_local! {
@@ -84,18 +92,18 @@ pub(crate) fn linear_cpu(
     weight: &Tensor,
     bias: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
-    let bf16_operands = matmul_precision() == MatmulPrecision::Bf16;
+    let precision = matmul_precision();
     match bias {
-        Some(b) => x.apply_op3(weight, &b.contiguous()?, LinearBias { bf16_operands }),
-        None => x.apply_op2(weight, LinearNoBias { bf16_operands }),
+        Some(b) => x.apply_op3(weight, &b.contiguous()?, LinearBias { precision }),
+        None => x.apply_op2(weight, LinearNoBias { precision }),
     }
 }
 
 struct LinearNoBias {
-    bf16_operands: bool,
+    precision: MatmulPrecision,
 }
 struct LinearBias {
-    bf16_operands: bool,
+    precision: MatmulPrecision,
 }
 
 /// The sizes of one product, checked against the layouts.
@@ -241,32 +249,60 @@ pub(crate) fn matmul_into<T: DenseElem>(
     a: Mat<'_, T>,
     b: Mat<'_, T>,
 ) -> candle_core::Result<()> {
-    matmul_prec(dst, accumulate, (m, n, k), a, b, false)
+    matmul_prec(dst, accumulate, (m, n, k), a, b, MatmulPrecision::Highest)
 }
 
-/// [`matmul_into`]; with `bf16_operands`, f32 operands are rounded to bf16 and multiplied by
-/// [`bf16_gemm`] into the f32 `dst`.
+/// [`matmul_into`] at `precision`: f32 operands rounded to bf16 and multiplied by the bf16
+/// kernel into the f32 `dst`, or rounded to f16 and multiplied by the f32 kernel.
 fn matmul_prec<T: DenseElem>(
     dst: &mut [T],
     accumulate: bool,
     (m, n, k): (usize, usize, usize),
     a: Mat<'_, T>,
     b: Mat<'_, T>,
-    bf16_operands: bool,
+    precision: MatmulPrecision,
 ) -> candle_core::Result<()> {
     if dst.len() < m * n || !covers(&a, m, k) || !covers(&b, k, n) {
         return Err(candle_core::Error::msg(format!(
             "{OP}: operands do not cover a {m} x {k} by {k} x {n} product"
         )));
     }
-    if bf16_operands {
-        if let Some((dst, a, b)) = T::as_f32(dst, a, b) {
-            cpu_gemm::gemm_f32_bf16(dst, accumulate, (m, n, k), a, b);
-            return Ok(());
+    match precision {
+        MatmulPrecision::Highest => {}
+        MatmulPrecision::Bf16 => {
+            if let Some((dst, a, b)) = T::as_f32(dst, a, b) {
+                cpu_gemm::gemm_f32_bf16(dst, accumulate, (m, n, k), a, b);
+                return Ok(());
+            }
+        }
+        MatmulPrecision::F16 => {
+            if let Some((dst, a, b)) = T::as_f32(dst, a, b) {
+                let (ar, br) = (f16_rounded(a.data), f16_rounded(b.data));
+                let a = Mat { data: &ar, ..a };
+                let b = Mat { data: &br, ..b };
+                f32::matmul(dst, accumulate, (m, n, k), a, b);
+                return Ok(());
+            }
         }
     }
     T::matmul(dst, accumulate, (m, n, k), a, b);
     Ok(())
+}
+
+/// `x` rounded to f16 (to nearest even; beyond f16's range to infinity) and widened back: the
+/// products of such operands are exact in f32, so an f32 product of them is what an f16 unit
+/// with f32 accumulation computes. Converted in cache-sized pieces with the CPU's F16C
+/// instructions where it has them.
+fn f16_rounded(x: &[f32]) -> Vec<f32> {
+    const PIECE: usize = 4096;
+    let mut out = vec![0f32; x.len()];
+    let mut half = [f16::ZERO; PIECE];
+    for (src, dst) in x.chunks(PIECE).zip(out.chunks_mut(PIECE)) {
+        let h = &mut half[..src.len()];
+        h.convert_from_f32_slice(src);
+        h.convert_to_f32_slice(dst);
+    }
+    out
 }
 
 /// The storage types of the linear op.
@@ -379,7 +415,7 @@ fn forward<T: DenseElem>(
     w: &[T],
     b: Option<&[T]>,
     d: Dims,
-    bf16_operands: bool,
+    precision: MatmulPrecision,
 ) -> candle_core::Result<Vec<T>> {
     let Dims { rows, inf, outf } = d;
     let mut y: Vec<T> = match b {
@@ -407,7 +443,7 @@ fn forward<T: DenseElem>(
             rs: 1,
             cs: inf,
         },
-        bf16_operands,
+        precision,
     )?;
     Ok(y)
 }
@@ -421,7 +457,7 @@ fn backward<T: DenseElem>(
     dy: &[T],
     bias: bool,
     d: Dims,
-    bf16_operands: bool,
+    precision: MatmulPrecision,
 ) -> candle_core::Result<(Vec<T>, Vec<T>, Option<Vec<T>>)> {
     let Dims { rows, inf, outf } = d;
     if dy.len() != rows * outf {
@@ -446,7 +482,7 @@ fn backward<T: DenseElem>(
             rs: inf,
             cs: 1,
         },
-        bf16_operands,
+        precision,
     )?;
     let mut dw = vec![T::from_f(0.0); outf * inf];
     matmul_prec(
@@ -463,7 +499,7 @@ fn backward<T: DenseElem>(
             rs: inf,
             cs: 1,
         },
-        bf16_operands,
+        precision,
     )?;
     let db = bias.then(|| {
         let mut acc = vec![0f64; outf];
@@ -519,7 +555,7 @@ fn fwd_storage(
     sw: &CpuStorage,
     lw: &Layout,
     sb: Option<(&CpuStorage, &Layout)>,
-    bf16_operands: bool,
+    precision: MatmulPrecision,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
     let d = dims(lx, lw, sb.map(|(_, l)| l))?;
     dispatch!(sx, |xs: T| {
@@ -529,7 +565,7 @@ fn fwd_storage(
             Some((s, l)) => Some(slice(typed::<T>(s, "the bias")?, l, "the bias")?),
             None => None,
         };
-        let y = forward(x, w, b, d, bf16_operands)?;
+        let y = forward(x, w, b, d, precision)?;
         Ok((T::storage(y), out_shape(lx, d.outf)))
     })
 }
@@ -559,7 +595,7 @@ fn bwd_tensors(
     w: &Tensor,
     grad: &Tensor,
     bias: bool,
-    bf16_operands: bool,
+    precision: MatmulPrecision,
 ) -> candle_core::Result<(Tensor, Tensor, Option<Tensor>)> {
     let grad = cpu_of(&grad.to_dtype(x.dtype())?)?;
     let (x, w) = (cpu_of(x)?, cpu_of(w)?);
@@ -581,7 +617,7 @@ fn bwd_tensors(
             lg,
             "the output gradient",
         )?;
-        let (dx, dw, db) = backward(xv, wv, gv, bias, d, bf16_operands)?;
+        let (dx, dw, db) = backward(xv, wv, gv, bias, d, precision)?;
         Ok((
             Tensor::from_vec(dx, lx.shape(), dev)?,
             Tensor::from_vec(dw, (d.outf, d.inf), dev)?,
@@ -602,7 +638,7 @@ impl CustomOp2 for LinearNoBias {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        fwd_storage(s1, l1, s2, l2, None, self.bf16_operands)
+        fwd_storage(s1, l1, s2, l2, None, self.precision)
     }
 
     fn bwd(
@@ -612,7 +648,7 @@ impl CustomOp2 for LinearNoBias {
         _y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = bwd_tensors(x, w, grad, false, self.bf16_operands)?;
+        let (dx, dw, _) = bwd_tensors(x, w, grad, false, self.precision)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -631,7 +667,7 @@ impl CustomOp3 for LinearBias {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        fwd_storage(s1, l1, s2, l2, Some((s3, l3)), self.bf16_operands)
+        fwd_storage(s1, l1, s2, l2, Some((s3, l3)), self.precision)
     }
 
     fn bwd(
@@ -642,7 +678,7 @@ impl CustomOp3 for LinearBias {
         _y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = bwd_tensors(x, w, grad, true, self.bf16_operands)?;
+        let (dx, dw, db) = bwd_tensors(x, w, grad, true, self.precision)?;
         Ok((Some(dx), Some(dw), db))
     }
 }
@@ -729,6 +765,72 @@ mod tests {
                 .to_scalar::<f64>()?;
             assert!(worst < tol, "{dt:?}: worst {worst}");
         }
+        Ok(())
+    }
+
+    /// `MatmulPrecision::F16` is the f32 op on f16-rounded operands, bitwise: the forward, and
+    /// each gradient as the f32 products of the rounded upstream gradient with the rounded
+    /// weight and input. An operand beyond f16's range becomes infinite in the product.
+    #[test]
+    fn f16_precision_is_f32_on_rounded_operands() -> candle_core::Result<()> {
+        let dev = Device::Cpu;
+        let (rows, inf, outf) = (37, 70, 45);
+        let f32v = |v: Vec<f64>| v.into_iter().map(|x| x as f32 * 3.0).collect::<Vec<f32>>();
+        let round = |v: &[f32]| {
+            v.iter()
+                .map(|&x| f16::from_f32(x).to_f32())
+                .collect::<Vec<_>>()
+        };
+        let (x, w, up) = (
+            f32v(rand(&[rows, inf], 11)),
+            f32v(rand(&[outf, inf], 12)),
+            f32v(rand(&[rows, outf], 13)),
+        );
+        let xv = Var::from_vec(x.clone(), (rows, inf), &dev)?;
+        let wv = Var::from_vec(w.clone(), (outf, inf), &dev)?;
+        let y = with_matmul_precision(MatmulPrecision::F16, || {
+            linear_cpu(xv.as_tensor(), wv.as_tensor(), None)
+        })?;
+        let g = (&y * Tensor::from_vec(up.clone(), (rows, outf), &dev)?)?
+            .sum_all()?
+            .backward()?;
+        // the same products of rounded operands at full precision
+        let xr = Tensor::from_vec(round(&x), (rows, inf), &dev)?;
+        let wr = Tensor::from_vec(round(&w), (outf, inf), &dev)?;
+        let upr = Tensor::from_vec(round(&up), (rows, outf), &dev)?;
+        let want_y = linear_cpu(&xr, &wr, None)?;
+        let want_dx = linear_cpu(&upr, &wr.t()?.contiguous()?, None)?;
+        let want_dw = linear_cpu(&upr.t()?.contiguous()?, &xr.t()?.contiguous()?, None)?;
+        let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+            Ok(t.flatten_all()?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(f32::to_bits)
+                .collect())
+        };
+        assert_eq!(bits(&y)?, bits(&want_y)?, "forward");
+        let dx = g.get(&xv).expect("dx");
+        let dw = g.get(&wv).expect("dw");
+        let close = |a: &Tensor, b: &Tensor| -> candle_core::Result<f64> {
+            (a - b)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()
+                .map(f64::from)
+        };
+        // dx and dW run the same rounded products through other operand layouts, whose
+        // summation order may differ by rounding
+        assert!(close(dx, &want_dx)? < 1e-4, "dx");
+        assert!(close(dw, &want_dw)? < 1e-4, "dw");
+        // and they are not the f32 op's
+        let exact = linear_cpu(xv.as_tensor(), wv.as_tensor(), None)?;
+        assert_ne!(bits(&y)?, bits(&exact)?);
+        // beyond f16's range: an infinite product, as an f16 unit gives
+        let big = Tensor::new(&[[70_000f32]], &dev)?;
+        let one = Tensor::new(&[[1f32]], &dev)?;
+        let inf_y = with_matmul_precision(MatmulPrecision::F16, || linear_cpu(&big, &one, None))?;
+        assert!(inf_y.to_vec2::<f32>()?[0][0].is_infinite());
         Ok(())
     }
 
