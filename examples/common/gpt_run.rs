@@ -12,10 +12,20 @@ use std::time::Instant;
 pub fn main_for(preset: &str) -> anyhow::Result<()> {
     let cfg = RunConfig::from_args(preset, std::env::args().skip(1))?;
     cfg.validate()?;
+    // thread ranks outnumbering the cores run their ops on their own threads, not queued for
+    // candle's one worker pool (before any tensor op: it sizes the pool)
+    let serial_ops = kiln_train::one_op_thread_per_rank(&cfg);
     // one process prints: the only one (threads), or the launcher's rank 0
     let main_process = cfg.parallel.backend == Backend::Thread || LaunchEnv::from_env()?.rank == 0;
     if main_process {
         print_header(preset, &cfg)?;
+        if serial_ops && cfg.parallel.world() > 1 {
+            println!(
+                "  each thread rank runs its ops on its own thread ({} ranks, {} cores)",
+                cfg.parallel.world(),
+                std::thread::available_parallelism().map_or(1, |n| n.get())
+            );
+        }
     }
     let t0 = Instant::now();
     let tokenizer_path = cfg.data_cache_dir()?.join("tokenizer.json");

@@ -67,7 +67,7 @@ pub use data::{decode_sample_id, encode_sample_id, micro_batches, prepare_source
 pub use error::{Result, TrainError};
 pub use model::{gpt_config_hash, ModelContext, TrainModel};
 pub use pretrained::{Pretrained, PretrainedSource, GPT_META_KEY, TOKENIZER_FILE};
-pub use run::{run_threads, run_threads_with, run_with, RankContext};
+pub use run::{one_op_thread_per_rank, run_threads, run_threads_with, run_with, RankContext};
 pub use state::TrainerProgress;
 pub use trainer::{
     ModelFn, Outputs, RollbackRecord, StepHook, TrainSummary, Trainer, TrainerBuilder,

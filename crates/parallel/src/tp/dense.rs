@@ -17,7 +17,6 @@
 use crate::tp::cpu_gemm;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor, WithDType};
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 const OP: &str = "kiln-linear";
@@ -291,18 +290,26 @@ fn matmul_prec<T: DenseElem>(
 
 /// `x` rounded to f16 (to nearest even; beyond f16's range to infinity) and widened back: the
 /// products of such operands are exact in f32, so an f32 product of them is what an f16 unit
-/// with f32 accumulation computes. Converted in cache-sized pieces with the CPU's F16C
-/// instructions where it has them.
+/// with f32 accumulation computes. One vectorised pass, each element written once.
 fn f16_rounded(x: &[f32]) -> Vec<f32> {
-    const PIECE: usize = 4096;
-    let mut out = vec![0f32; x.len()];
-    let mut half = [f16::ZERO; PIECE];
-    for (src, dst) in x.chunks(PIECE).zip(out.chunks_mut(PIECE)) {
-        let h = &mut half[..src.len()];
-        h.convert_from_f32_slice(src);
-        h.convert_to_f32_slice(dst);
-    }
+    let mut out = Vec::with_capacity(x.len());
+    round_f16_into(x, &mut out);
     out
+}
+
+fn round_f16_into(x: &[f32], out: &mut Vec<f32>) {
+    crate::simd_dispatch!(round_f16_into_avx512, round_f16_into_impl, (x, out))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn round_f16_into_avx512(x: &[f32], out: &mut Vec<f32>) {
+    round_f16_into_impl(x, out)
+}
+
+#[inline(always)]
+fn round_f16_into_impl(x: &[f32], out: &mut Vec<f32>) {
+    out.extend(x.iter().map(|&v| crate::fastmath::round_f16(v)));
 }
 
 /// The storage types of the linear op.
