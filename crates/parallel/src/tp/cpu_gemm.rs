@@ -90,23 +90,32 @@ impl Operand for f32 {
         bf16::from_f32(self).to_f32()
     }
     fn bits_of(data: &[Self]) -> Cow<'_, [u16]> {
-        let mut out = vec![0u16; data.len()];
+        let n = data.len();
+        let mut out: Vec<u16> = Vec::with_capacity(n);
         #[cfg(target_arch = "x86_64")]
         if has_bf16_dot() {
+            // written once, in parallel, with no zero-fill first
             let chunk = 1 << 15;
-            let slots = slots(&mut out, chunk);
+            let slots = slots(&mut out.spare_capacity_mut()[..n], chunk);
+            let done = std::sync::atomic::AtomicUsize::new(0);
             run_items(slots.len(), chunk, |i| {
                 if let Some(o) = take(&slots[i]) {
                     let src = &data[i * chunk..i * chunk + o.len()];
                     // SAFETY: the CPU has avx512f and avx512bf16 (checked above)
                     unsafe { kernel::round_to_bf16(src, o) };
+                    done.fetch_add(o.len(), std::sync::atomic::Ordering::Relaxed);
                 }
             });
-            return Cow::Owned(out);
+            drop(slots);
+            if done.into_inner() == n {
+                // SAFETY: the chunks cover the first `n` elements and each was written whole
+                // by `round_to_bf16` (`done` counts them)
+                unsafe { out.set_len(n) };
+                return Cow::Owned(out);
+            }
+            out.clear();
         }
-        for (o, &v) in out.iter_mut().zip(data) {
-            *o = bf16::from_f32(v).to_bits();
-        }
+        out.extend(data.iter().map(|&v| bf16::from_f32(v).to_bits()));
         Cow::Owned(out)
     }
 }
@@ -725,12 +734,13 @@ mod kernel {
         store(c, tile);
     }
 
-    /// `out[i] = bits(round_bf16(src[i]))`, round to nearest even.
+    /// `out[i] = bits(round_bf16(src[i]))`, round to nearest even; every element of
+    /// `out[..min(len)]` is written.
     ///
     /// # Safety
     /// The CPU must have avx512f and avx512bf16.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) unsafe fn round_to_bf16(src: &[f32], out: &mut [u16]) {
+    pub(super) unsafe fn round_to_bf16(src: &[f32], out: &mut [std::mem::MaybeUninit<u16>]) {
         let n = src.len().min(out.len());
         let full = n / 16 * 16;
         let mut i = 0;
@@ -747,7 +757,7 @@ mod kernel {
             i += 16;
         }
         for (o, &v) in out[full..n].iter_mut().zip(&src[full..n]) {
-            *o = bf16::from_f32(v).to_bits();
+            o.write(bf16::from_f32(v).to_bits());
         }
     }
 }
