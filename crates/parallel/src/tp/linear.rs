@@ -72,6 +72,9 @@ pub fn row_parallel_linear(
     }
     let y = reduce_from_tp_region(&linear(x, weight, None)?, comm)?;
     Ok(match bias {
+        Some(b) if y.device().is_cpu() => {
+            crate::tp::dense::add_bias_cpu(&y, &b.to_dtype(y.dtype())?)?
+        }
         Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
         None => y,
     })
