@@ -20,6 +20,7 @@
 //! Without AVX-512 (checked once at run time) f32 goes to gemm's kernels, and bf16 widens to
 //! f32 first, as candle does.
 
+use crate::fastmath::has_avx512;
 use crate::tp::dense::Mat;
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
@@ -38,19 +39,6 @@ const KC: usize = 256;
 const B_BLOCK_BYTES: usize = 384 * 1024;
 /// Row panels one work item takes.
 const PANELS_PER_ITEM: usize = 2;
-
-/// Whether the running CPU has AVX-512 F (the f32 kernel).
-pub(crate) fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
 
 /// Whether the running CPU has the AVX-512 BF16 dot product (the bf16 kernel).
 pub(crate) fn has_bf16_dot() -> bool {

@@ -275,11 +275,10 @@ fn matmul_prec<T: DenseElem>(
             }
         }
         MatmulPrecision::F16 => {
-            if let Some((dst, a, b)) = T::as_f32(dst, a, b) {
-                let (ar, br) = (f16_rounded(a.data), f16_rounded(b.data));
+            if let (Some(ar), Some(br)) = (T::f16_operand(a.data), T::f16_operand(b.data)) {
                 let a = Mat { data: &ar, ..a };
                 let b = Mat { data: &br, ..b };
-                f32::matmul(dst, accumulate, (m, n, k), a, b);
+                T::matmul(dst, accumulate, (m, n, k), a, b);
                 return Ok(());
             }
         }
@@ -328,6 +327,10 @@ pub(crate) trait DenseElem: WithDType + Copy + Send + Sync + 'static {
     fn from_f(v: f64) -> Self;
     /// Wraps a vector as candle storage.
     fn storage(v: Vec<Self>) -> CpuStorage;
+    /// A copy rounded to f16 and widened back ([`MatmulPrecision::F16`]), when `Self` is f32.
+    fn f16_operand(_data: &[Self]) -> Option<Vec<Self>> {
+        None
+    }
     /// The same operands as f32, when `Self` is f32.
     #[allow(clippy::type_complexity)]
     fn as_f32<'a>(
@@ -383,6 +386,9 @@ impl DenseElem for f32 {
     }
     fn storage(v: Vec<Self>) -> CpuStorage {
         CpuStorage::F32(v)
+    }
+    fn f16_operand(data: &[Self]) -> Option<Vec<Self>> {
+        Some(f16_rounded(data))
     }
     fn as_f32<'a>(
         dst: &'a mut [f32],
@@ -473,6 +479,20 @@ fn backward<T: DenseElem>(
             dy.len()
         )));
     }
+    let db = bias.then(|| column_sums(dy, outf));
+    // f16 operands: `dy` feeds both products, so it is rounded once here (as are `W` and `x`),
+    // not once per product
+    let rounded = match precision {
+        MatmulPrecision::F16 => match (T::f16_operand(dy), T::f16_operand(w), T::f16_operand(x)) {
+            (Some(dy), Some(w), Some(x)) => Some((dy, w, x)),
+            _ => None,
+        },
+        _ => None,
+    };
+    let (dy, w, x, precision) = match &rounded {
+        Some((dy, w, x)) => (&dy[..], &w[..], &x[..], MatmulPrecision::Highest),
+        None => (dy, w, x, precision),
+    };
     let dyr = Mat {
         data: dy,
         rs: outf,
@@ -508,7 +528,6 @@ fn backward<T: DenseElem>(
         },
         precision,
     )?;
-    let db = bias.then(|| column_sums(dy, outf));
     Ok((dx, dw, db))
 }
 

@@ -139,7 +139,7 @@ fn simd() -> Simd {
     {
         let fma = std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma");
-        if fma && std::arch::is_x86_feature_detected!("avx512f") {
+        if fma && kiln_parallel::fastmath::has_avx512() {
             return Simd::Avx512;
         }
         if fma {
