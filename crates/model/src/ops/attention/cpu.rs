@@ -1,14 +1,16 @@
 //! The CPU kernels of the fused causal attention: one head per task (heads in parallel on
-//! candle's pool), queries in blocks of [`BQ`] rows. Keys and values are widened to the
-//! arithmetic type and transposed to `[dh, t]` once per head, so that every inner loop runs
-//! along the keys over contiguous memory: scores are `dh` scaled additions of key columns, and
-//! each output element is one long dot product. Only a `BQ x t` block of scores exists at a
-//! time.
+//! candle's pool), queries in blocks of [`BQ`] rows. Each block is a few small matrix
+//! products ([`gemm`]: register tiles, the left operand packed): the scores against the keys
+//! up to the block's last row, then the probabilities times the values in the forward; in the
+//! backward the scores and `dO V^T`, then `dS K`, `dS^T q` and `P^T dO`. Keys and values are
+//! widened to the arithmetic type once per head, transposed to `[dh, t]` where they are a
+//! product's right operand along the keys. Only a `BQ x t` block of scores exists at a time.
 //!
 //! On x86-64 with AVX2 and FMA the same code is compiled again with those features (`*_avx2`,
-//! and `*_avx512` with AVX-512F too), where [`Float::mul_add`] is one instruction; elsewhere it
-//! uses a separate multiply and add. The FMA copies compute the same numbers (each reduction's
-//! lanes are explicit); they differ from the portable one in rounding only.
+//! and `*_avx512` with AVX-512F too), where [`Float::mul_add`] is one instruction and full f32
+//! tiles run on intrinsics; elsewhere it uses a separate multiply and add. The FMA copies
+//! compute the same numbers (each reduction's order is fixed, whatever the tile or vector
+//! width); they differ from the portable one in rounding only.
 
 use crate::kernel::{output_vec, par_each, Elem, Float};
 
@@ -212,6 +214,9 @@ struct Scratch<F> {
     /// Keys, values: `[dh, t]`.
     kt: Vec<F>,
     vt: Vec<F>,
+    /// Keys, values widened: `[t, dh]`.
+    kw: Vec<F>,
+    vw: Vec<F>,
     /// The block's (scaled) queries and output gradients, `[BQ, dh]`; one output row.
     q: Vec<F>,
     g: Vec<F>,
@@ -219,9 +224,15 @@ struct Scratch<F> {
     /// Scores then probabilities, and `dP` then `dS`: `[BQ, t]`.
     s: Vec<F>,
     dp: Vec<F>,
-    /// Key and value gradients, `[dh, t]`.
-    dkt: Vec<F>,
-    dvt: Vec<F>,
+    /// The block's output (or query gradient) before its last scaling: `[BQ, dh]`; and each
+    /// row's factor.
+    ob: Vec<F>,
+    inv: Vec<F>,
+    /// Key and value gradients, `[t, dh]`.
+    dkw: Vec<F>,
+    dvw: Vec<F>,
+    /// A packed row panel of a product's left operand.
+    ap: Vec<F>,
 }
 
 impl<F> Default for Scratch<F> {
@@ -229,16 +240,24 @@ impl<F> Default for Scratch<F> {
         Self {
             kt: Vec::new(),
             vt: Vec::new(),
+            kw: Vec::new(),
+            vw: Vec::new(),
             q: Vec::new(),
             g: Vec::new(),
             orow: Vec::new(),
             s: Vec::new(),
             dp: Vec::new(),
-            dkt: Vec::new(),
-            dvt: Vec::new(),
+            ob: Vec::new(),
+            inv: Vec::new(),
+            dkw: Vec::new(),
+            dvw: Vec::new(),
+            ap: Vec::new(),
         }
     }
 }
+
+/// Register tile of the portable copy (SSE2 registers: 4 x 8 f32 in 8 of its 16).
+const PORTABLE_TILE: (usize, usize) = (4, 8);
 
 fn fwd_head<T: Elem>(
     x: &Head<'_, T>,
@@ -256,10 +275,13 @@ fn fwd_head<T: Elem>(
         // SAFETY: `simd()` chose `Avx2` only where the CPU has AVX2 and FMA.
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2 => unsafe { fwd_head_avx2(x, scale, o, lse, w) },
-        _ => fwd_head_impl::<T, false>(x, scale, o, lse, w),
+        _ => fwd_head_impl::<T, false, NO_SIMD, { PORTABLE_TILE.0 }, { PORTABLE_TILE.1 }>(
+            x, scale, o, lse, w,
+        ),
     }
 }
 
+/// 8 x 32 f32 tiles: 16 of the 32 AVX-512 registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn fwd_head_avx512<T: Elem>(
@@ -269,9 +291,10 @@ unsafe fn fwd_head_avx512<T: Elem>(
     lse: &mut [f64],
     w: &mut Scratch<T::F>,
 ) {
-    fwd_head_impl::<T, true>(x, scale, o, lse, w);
+    fwd_head_impl::<T, true, AVX512, 8, 32>(x, scale, o, lse, w);
 }
 
+/// 4 x 16 f32 tiles: 8 of the 16 AVX2 registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn fwd_head_avx2<T: Elem>(
@@ -281,14 +304,15 @@ unsafe fn fwd_head_avx2<T: Elem>(
     lse: &mut [f64],
     w: &mut Scratch<T::F>,
 ) {
-    fwd_head_impl::<T, true>(x, scale, o, lse, w);
+    fwd_head_impl::<T, true, AVX2, 4, 16>(x, scale, o, lse, w);
 }
 
 /// One head: per block of query rows `i`, the scores `s_ij = scale q_i.k_j` for the keys up to
-/// the block's last row, `p_ij = exp(s_ij - max_i)` on `j <= i`, `o_i = sum_j p_ij v_j / sum_j
-/// p_ij`, `L_i = max_i + ln(sum_j p_ij)`.
+/// the block's last row, `p_ij = exp(s_ij - max_i)` on `j <= i` (zero beyond),
+/// `o_i = sum_j p_ij v_j / sum_j p_ij`, `L_i = max_i + ln(sum_j p_ij)`. The scores and the
+/// weighted sum of values are two small products ([`gemm`]) per block.
 #[inline(always)]
-fn fwd_head_impl<T: Elem, const FMA: bool>(
+fn fwd_head_impl<T: Elem, const FMA: bool, const X86: u8, const MR: usize, const NR: usize>(
     x: &Head<'_, T>,
     scale: T::F,
     o: &mut [T],
@@ -298,33 +322,55 @@ fn fwd_head_impl<T: Elem, const FMA: bool>(
     let (t, dh) = (x.t, x.dh);
     let (zero, one) = (<T::F as Float>::ZERO, <T::F as Float>::ONE);
     transpose(x.k, t, dh, x.rs, &mut w.kt);
-    transpose(x.v, t, dh, x.rs, &mut w.vt);
+    widen(x.v, 0..t, x.rs, dh, one, &mut w.vw);
     w.s.resize(BQ * t, zero);
+    w.ob.resize(BQ * dh, zero);
     for (b, ob) in o.chunks_mut(BQ * dh).enumerate() {
         let i0 = b * BQ;
         let rows = ob.len() / dh;
         let nk = i0 + rows;
         widen(x.q, i0..nk, x.rs, dh, scale, &mut w.q);
-        scores::<_, FMA>(&w.q, &w.kt, dh, t, nk, &mut w.s);
-        for (r, (orow, li)) in ob
-            .chunks_exact_mut(dh)
-            .zip(lse[i0..nk].iter_mut())
-            .enumerate()
-        {
+        gemm::<_, FMA, X86, MR, NR>(
+            &mut w.s,
+            t,
+            (rows, nk, dh),
+            (&w.q, dh, 1),
+            (&w.kt, t),
+            false,
+            &mut w.ap,
+        );
+        w.inv.clear();
+        for (r, li) in lse[i0..nk].iter_mut().enumerate() {
             let n = i0 + r + 1;
-            let p = &mut w.s[r * t..r * t + n];
+            let (p, masked) = w.s[r * t..r * t + nk].split_at_mut(n);
             let max = p
                 .iter()
                 .fold(<T::F as Float>::NEG_INFINITY, |m, &v| m.max(v));
             for pj in p.iter_mut() {
                 *pj = (*pj - max).fast_exp();
             }
+            masked.fill(zero);
             let sum = sum(p);
-            let inv = one / sum;
-            for (y, vt) in orow.iter_mut().zip(w.vt.chunks_exact(t)) {
-                *y = T::store(dot::<_, FMA>(p, &vt[..n]) * inv);
-            }
+            w.inv.push(one / sum);
             *li = (max + sum.ln()).to_f64();
+        }
+        gemm::<_, FMA, X86, MR, NR>(
+            &mut w.ob,
+            dh,
+            (rows, dh, nk),
+            (&w.s, t, 1),
+            (&w.vw, dh),
+            false,
+            &mut w.ap,
+        );
+        for ((orow, acc), &inv) in ob
+            .chunks_exact_mut(dh)
+            .zip(w.ob.chunks_exact(dh))
+            .zip(&w.inv)
+        {
+            for (y, &v) in orow.iter_mut().zip(acc) {
+                *y = T::store(v * inv);
+            }
         }
     }
 }
@@ -345,7 +391,9 @@ fn bwd_head<T: Elem>(
         // SAFETY: `simd()` chose `Avx2` only where the CPU has AVX2 and FMA.
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2 => unsafe { bwd_head_avx2(x, g, scale, out, w) },
-        _ => bwd_head_impl::<T, false>(x, g, scale, out, w),
+        _ => bwd_head_impl::<T, false, NO_SIMD, { PORTABLE_TILE.0 }, { PORTABLE_TILE.1 }>(
+            x, g, scale, out, w,
+        ),
     }
 }
 
@@ -358,7 +406,7 @@ unsafe fn bwd_head_avx512<T: Elem>(
     out: HeadGrads<'_, T>,
     w: &mut Scratch<T::F>,
 ) {
-    bwd_head_impl::<T, true>(x, g, scale, out, w);
+    bwd_head_impl::<T, true, AVX512, 8, 32>(x, g, scale, out, w);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -370,14 +418,15 @@ unsafe fn bwd_head_avx2<T: Elem>(
     out: HeadGrads<'_, T>,
     w: &mut Scratch<T::F>,
 ) {
-    bwd_head_impl::<T, true>(x, g, scale, out, w);
+    bwd_head_impl::<T, true, AVX2, 4, 16>(x, g, scale, out, w);
 }
 
 /// One head, per block of query rows `i`: `p_ij = exp(scale q_i.k_j - L_i)` and
 /// `ds_ij = p_ij (dO_i.v_j - D_i)` with `D_i = dO_i.o_i` for `j <= i` (zero beyond), then
-/// `dq_i = scale sum_j ds_ij k_j`, `dk_j += scale sum_i ds_ij q_i`, `dv_j += sum_i p_ij dO_i`.
+/// `dq_i = scale sum_j ds_ij k_j`, `dk_j += scale sum_i ds_ij q_i`, `dv_j += sum_i p_ij dO_i`:
+/// five small products ([`gemm`]) per block.
 #[inline(always)]
-fn bwd_head_impl<T: Elem, const FMA: bool>(
+fn bwd_head_impl<T: Elem, const FMA: bool, const X86: u8, const MR: usize, const NR: usize>(
     x: &Head<'_, T>,
     g: &HeadG<'_, T>,
     scale: T::F,
@@ -388,12 +437,14 @@ fn bwd_head_impl<T: Elem, const FMA: bool>(
     let (zero, one) = (<T::F as Float>::ZERO, <T::F as Float>::ONE);
     transpose(x.k, t, dh, x.rs, &mut w.kt);
     transpose(x.v, t, dh, x.rs, &mut w.vt);
-    for buf in [&mut w.dkt, &mut w.dvt] {
+    widen(x.k, 0..t, x.rs, dh, one, &mut w.kw);
+    for buf in [&mut w.dkw, &mut w.dvw] {
         buf.clear();
-        buf.resize(dh * t, zero);
+        buf.resize(t * dh, zero);
     }
     w.s.resize(BQ * t, zero);
     w.dp.resize(BQ * t, zero);
+    w.ob.resize(BQ * dh, zero);
     let HeadGrads { dq, dk, dv } = out;
     for (b, dqb) in dq.chunks_mut(BQ * dh).enumerate() {
         let i0 = b * BQ;
@@ -402,9 +453,26 @@ fn bwd_head_impl<T: Elem, const FMA: bool>(
         // q carries the scale, as in the forward, so the scores are computed identically
         widen(x.q, i0..nk, x.rs, dh, scale, &mut w.q);
         widen(g.d_o, i0..nk, g.rs, dh, one, &mut w.g);
-        scores::<_, FMA>(&w.q, &w.kt, dh, t, nk, &mut w.s);
-        scores::<_, FMA>(&w.g, &w.vt, dh, t, nk, &mut w.dp);
-        for (r, dqrow) in dqb.chunks_exact_mut(dh).enumerate() {
+        let prod = (rows, nk, dh);
+        gemm::<_, FMA, X86, MR, NR>(
+            &mut w.s,
+            t,
+            prod,
+            (&w.q, dh, 1),
+            (&w.kt, t),
+            false,
+            &mut w.ap,
+        );
+        gemm::<_, FMA, X86, MR, NR>(
+            &mut w.dp,
+            t,
+            prod,
+            (&w.g, dh, 1),
+            (&w.vt, t),
+            false,
+            &mut w.ap,
+        );
+        for r in 0..rows {
             let i = i0 + r;
             widen(g.o, i..i + 1, g.rs, dh, one, &mut w.orow);
             let delta = dot::<_, FMA>(&w.g[r * dh..(r + 1) * dh], &w.orow);
@@ -420,25 +488,182 @@ fn bwd_head_impl<T: Elem, const FMA: bool>(
             // the masked keys of the block's diagonal add nothing below
             pm.fill(zero);
             dsm.fill(zero);
-            for (y, kt) in dqrow.iter_mut().zip(w.kt.chunks_exact(t)) {
-                *y = T::store(dot::<_, FMA>(dsv, &kt[..i + 1]) * scale);
-            }
         }
-        // dk^T[d] += sum_r (scale q_r)[d] ds_r, dv^T[d] += sum_r dO_r[d] p_r over keys < nk
-        for (d, (dkt, dvt)) in w
-            .dkt
-            .chunks_exact_mut(t)
-            .zip(w.dvt.chunks_exact_mut(t))
-            .enumerate()
-        {
-            rows_into::<_, FMA>(&mut dkt[..nk], &w.q, &w.dp, d, dh, t, rows);
-            rows_into::<_, FMA>(&mut dvt[..nk], &w.g, &w.s, d, dh, t, rows);
+        gemm::<_, FMA, X86, MR, NR>(
+            &mut w.ob,
+            dh,
+            (rows, dh, nk),
+            (&w.dp, t, 1),
+            (&w.kw, dh),
+            false,
+            &mut w.ap,
+        );
+        for (y, &v) in dqb.iter_mut().zip(&w.ob) {
+            *y = T::store(v * scale);
+        }
+        // dk[j] += sum_r ds[r][j] (scale q_r), dv[j] += sum_r p[r][j] dO_r over keys < nk
+        let keys = (nk, dh, rows);
+        gemm::<_, FMA, X86, MR, NR>(
+            &mut w.dkw,
+            dh,
+            keys,
+            (&w.dp, 1, t),
+            (&w.q, dh),
+            true,
+            &mut w.ap,
+        );
+        gemm::<_, FMA, X86, MR, NR>(
+            &mut w.dvw,
+            dh,
+            keys,
+            (&w.s, 1, t),
+            (&w.g, dh),
+            true,
+            &mut w.ap,
+        );
+    }
+    for (dst, src) in [(dk, &w.dkw), (dv, &w.dvw)] {
+        for (y, &v) in dst.iter_mut().zip(src.iter()) {
+            *y = T::store(v);
         }
     }
-    for (dst, src) in [(dk, &w.dkt), (dv, &w.dvt)] {
-        for (j, row) in dst.chunks_exact_mut(dh).enumerate() {
-            for (d, y) in row.iter_mut().enumerate() {
-                *y = T::store(src[d * t + j]);
+}
+
+/// Which vector kernel [`gemm`] may use for full f32 tiles: none, AVX2 + FMA (4 x 16 tiles)
+/// or AVX-512F (8 x 32 tiles). The copies compiled for those features pass theirs.
+const NO_SIMD: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const AVX2: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const AVX512: u8 = 2;
+
+/// Runs a full `MR x NR` tile (`acc` holds its start) over the `k` units of `ap` and of `b`'s
+/// columns `j0 ..` on the vector kernel `x86` names, if there is one for `F` and the tile;
+/// returns whether it ran. Each element is the same chain of fused multiply-adds as the
+/// generic loop's.
+#[inline(always)]
+fn simd_tile<F: Float, const MR: usize, const NR: usize>(
+    x86: u8,
+    acc: &mut [[F; NR]; MR],
+    ap: &[F],
+    (b, bks): (&[F], usize),
+    j0: usize,
+    k: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::any::TypeId;
+        let shape = match x86 {
+            AVX512 => (8, 32),
+            AVX2 => (4, 16),
+            _ => return false,
+        };
+        if (MR, NR) != shape || TypeId::of::<F>() != TypeId::of::<f32>() || k == 0 {
+            return false;
+        }
+        // the last unit's columns must lie inside `b`, and `ap` hold `k` units
+        if (k - 1) * bks + j0 + NR > b.len() || ap.len() < k * MR {
+            return false;
+        }
+        let (accp, app, bp) = (
+            acc.as_mut_ptr() as *mut f32,
+            ap.as_ptr() as *const f32,
+            // SAFETY: j0 + NR <= b.len() (checked above)
+            unsafe { b.as_ptr().add(j0) } as *const f32,
+        );
+        // SAFETY: `F` is f32 (checked), so the casts keep types; every read lies in `ap` or
+        // `b` (checked above) and `acc` holds MR x NR values; `x86` is AVX2 or AVX512 only
+        // in the copies compiled for those features, which `simd()` chose for this CPU
+        unsafe {
+            if x86 == AVX512 {
+                kernels::tile_8x32(accp, app, bp, bks, k);
+            } else {
+                kernels::tile_4x16(accp, app, bp, bks, k);
+            }
+        }
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (x86, acc, ap, b, bks, j0, k);
+        false
+    }
+}
+
+/// The f32 tile kernels of [`gemm`].
+#[cfg(target_arch = "x86_64")]
+mod kernels {
+    use std::arch::x86_64::*;
+
+    /// `acc[r][c] = fma(ap[kk * 8 + r], b[kk * bks + c], acc[r][c])` for `kk` in `0..k`, in
+    /// order; `acc` is 8 x 32.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `acc` must hold 256 values, `ap` `8 k`, and `b` 32 at each
+    /// `kk * bks`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn tile_8x32(
+        acc: *mut f32,
+        ap: *const f32,
+        b: *const f32,
+        bks: usize,
+        k: usize,
+    ) {
+        // SAFETY: in bounds by the caller's contract
+        unsafe {
+            let mut c = [[_mm512_setzero_ps(); 2]; 8];
+            for (r, cr) in c.iter_mut().enumerate() {
+                cr[0] = _mm512_loadu_ps(acc.add(r * 32));
+                cr[1] = _mm512_loadu_ps(acc.add(r * 32 + 16));
+            }
+            for kk in 0..k {
+                let b0 = _mm512_loadu_ps(b.add(kk * bks));
+                let b1 = _mm512_loadu_ps(b.add(kk * bks + 16));
+                for (r, cr) in c.iter_mut().enumerate() {
+                    let av = _mm512_set1_ps(*ap.add(kk * 8 + r));
+                    cr[0] = _mm512_fmadd_ps(av, b0, cr[0]);
+                    cr[1] = _mm512_fmadd_ps(av, b1, cr[1]);
+                }
+            }
+            for (r, cr) in c.iter().enumerate() {
+                _mm512_storeu_ps(acc.add(r * 32), cr[0]);
+                _mm512_storeu_ps(acc.add(r * 32 + 16), cr[1]);
+            }
+        }
+    }
+
+    /// As [`tile_8x32`] for a 4 x 16 tile (`ap` holds `4 k`, `b` 16 at each `kk * bks`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `acc` must hold 64 values, `ap` `4 k`, and `b` 16 at
+    /// each `kk * bks`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_4x16(
+        acc: *mut f32,
+        ap: *const f32,
+        b: *const f32,
+        bks: usize,
+        k: usize,
+    ) {
+        // SAFETY: in bounds by the caller's contract
+        unsafe {
+            let mut c = [[_mm256_setzero_ps(); 2]; 4];
+            for (r, cr) in c.iter_mut().enumerate() {
+                cr[0] = _mm256_loadu_ps(acc.add(r * 16));
+                cr[1] = _mm256_loadu_ps(acc.add(r * 16 + 8));
+            }
+            for kk in 0..k {
+                let b0 = _mm256_loadu_ps(b.add(kk * bks));
+                let b1 = _mm256_loadu_ps(b.add(kk * bks + 8));
+                for (r, cr) in c.iter_mut().enumerate() {
+                    let av = _mm256_set1_ps(*ap.add(kk * 4 + r));
+                    cr[0] = _mm256_fmadd_ps(av, b0, cr[0]);
+                    cr[1] = _mm256_fmadd_ps(av, b1, cr[1]);
+                }
+            }
+            for (r, cr) in c.iter().enumerate() {
+                _mm256_storeu_ps(acc.add(r * 16), cr[0]);
+                _mm256_storeu_ps(acc.add(r * 16 + 8), cr[1]);
             }
         }
     }
@@ -451,6 +676,74 @@ fn madd<F: Float, const FMA: bool>(a: F, b: F, c: F) -> F {
         a.mul_add(b, c)
     } else {
         a * b + c
+    }
+}
+
+/// `c[i][j] = sum_kk a[i][kk] b[kk][j]` (`+=` with `accumulate`) for `i < m`, `j < n`,
+/// `kk < k`: rows of `c` are `crs` apart, `a[i][kk]` lies at `i * ars + kk * acs` of `a.0`
+/// (`a = (data, ars, acs)`), and row `kk` of `b` at `kk * b.1` of `b.0`, its columns
+/// contiguous.
+///
+/// `MR x NR` tiles of `c` stay in registers over the whole reduction (through intrinsics for
+/// f32 where `X86` says the CPU has them: the compiler does not vectorise the generic loop),
+/// with `MR` rows of `a` packed into `ap` once for all the tiles of their rows, so each loaded
+/// value feeds `MR` or `NR / lanes` multiply-adds (the kernels this replaced fed one or two).
+/// Every element is one
+/// chain of (fused, with `FMA`) multiply-adds over `kk` in order, from zero or from its old
+/// value: the result does not depend on the tile sizes, so the AVX2 and AVX-512 copies agree
+/// bitwise.
+#[inline(always)]
+fn gemm<F: Float, const FMA: bool, const X86: u8, const MR: usize, const NR: usize>(
+    c: &mut [F],
+    crs: usize,
+    (m, n, k): (usize, usize, usize),
+    (ad, ars, acs): (&[F], usize, usize),
+    (b, bks): (&[F], usize),
+    accumulate: bool,
+    ap: &mut Vec<F>,
+) {
+    for i0 in (0..m).step_by(MR) {
+        let rows = MR.min(m - i0);
+        ap.clear();
+        ap.resize(k * MR, F::ZERO);
+        for (kk, apk) in ap.chunks_exact_mut(MR).enumerate() {
+            for (r, v) in apk.iter_mut().enumerate().take(rows) {
+                *v = ad[(i0 + r) * ars + kk * acs];
+            }
+        }
+        for j0 in (0..n).step_by(NR) {
+            let cols = NR.min(n - j0);
+            let mut acc = [[F::ZERO; NR]; MR];
+            if accumulate {
+                for (r, accr) in acc.iter_mut().enumerate().take(rows) {
+                    accr[..cols].copy_from_slice(&c[(i0 + r) * crs + j0..][..cols]);
+                }
+            }
+            if cols == NR && simd_tile::<F, MR, NR>(X86, &mut acc, ap, (b, bks), j0, k) {
+                // done by the vector kernel
+            } else if cols == NR {
+                for (kk, apk) in ap.chunks_exact(MR).enumerate() {
+                    let brow = &b[kk * bks + j0..][..NR];
+                    for (accr, &av) in acc.iter_mut().zip(apk) {
+                        for (y, &bv) in accr.iter_mut().zip(brow) {
+                            *y = madd::<F, FMA>(av, bv, *y);
+                        }
+                    }
+                }
+            } else {
+                for (kk, apk) in ap.chunks_exact(MR).enumerate() {
+                    let brow = &b[kk * bks + j0..][..cols];
+                    for (accr, &av) in acc.iter_mut().zip(apk) {
+                        for (y, &bv) in accr.iter_mut().zip(brow) {
+                            *y = madd::<F, FMA>(av, bv, *y);
+                        }
+                    }
+                }
+            }
+            for (r, accr) in acc.iter().enumerate().take(rows) {
+                c[(i0 + r) * crs + j0..][..cols].copy_from_slice(&accr[..cols]);
+            }
+        }
     }
 }
 
@@ -523,98 +816,6 @@ fn dot<F: Float, const FMA: bool>(a: &[F], b: &[F]) -> F {
         s += a;
     }
     s
-}
-
-/// `y += a0 x0 + a1 x1 + a2 x2 + a3 x3`, element-wise over `y`.
-#[inline(always)]
-fn axpy4<F: Float, const FMA: bool>(y: &mut [F], a: [F; 4], x: [&[F]; 4]) {
-    let n = y.len();
-    let (x0, x1, x2, x3) = (&x[0][..n], &x[1][..n], &x[2][..n], &x[3][..n]);
-    for j in 0..n {
-        let mut v = madd::<F, FMA>(a[0], x0[j], y[j]);
-        v = madd::<F, FMA>(a[1], x1[j], v);
-        v = madd::<F, FMA>(a[2], x2[j], v);
-        y[j] = madd::<F, FMA>(a[3], x3[j], v);
-    }
-}
-
-/// `s[r][..nk] = sum_d a[r][d] bt[d][..nk]` for the rows `r` of `a` (`[rows, dh]`), with `bt`
-/// `[dh, t]` and rows of `s` `t` apart.
-#[inline(always)]
-fn scores<F: Float, const FMA: bool>(
-    a: &[F],
-    bt: &[F],
-    dh: usize,
-    t: usize,
-    nk: usize,
-    s: &mut [F],
-) {
-    for (ar, sr) in a.chunks_exact(dh).zip(s.chunks_exact_mut(t)) {
-        let sr = &mut sr[..nk];
-        sr.fill(F::ZERO);
-        let quads = ar.chunks_exact(4);
-        let rest = quads.remainder();
-        for (c, q) in quads.enumerate() {
-            let d = 4 * c;
-            axpy4::<F, FMA>(
-                sr,
-                [q[0], q[1], q[2], q[3]],
-                [
-                    &bt[d * t..],
-                    &bt[(d + 1) * t..],
-                    &bt[(d + 2) * t..],
-                    &bt[(d + 3) * t..],
-                ],
-            );
-        }
-        let d0 = dh - rest.len();
-        for (e, &av) in rest.iter().enumerate() {
-            let bd = &bt[(d0 + e) * t..(d0 + e) * t + nk];
-            for (y, &b) in sr.iter_mut().zip(bd) {
-                *y = madd::<F, FMA>(av, b, *y);
-            }
-        }
-    }
-}
-
-/// `y += sum_r a[r][d] m[r][..len(y)]` over the `rows` rows of `a` (`[rows, dh]`) and of `m`
-/// (rows `t` apart).
-#[inline(always)]
-fn rows_into<F: Float, const FMA: bool>(
-    y: &mut [F],
-    a: &[F],
-    m: &[F],
-    d: usize,
-    dh: usize,
-    t: usize,
-    rows: usize,
-) {
-    let mut r = 0;
-    while r + 4 <= rows {
-        axpy4::<F, FMA>(
-            y,
-            [
-                a[r * dh + d],
-                a[(r + 1) * dh + d],
-                a[(r + 2) * dh + d],
-                a[(r + 3) * dh + d],
-            ],
-            [
-                &m[r * t..],
-                &m[(r + 1) * t..],
-                &m[(r + 2) * t..],
-                &m[(r + 3) * t..],
-            ],
-        );
-        r += 4;
-    }
-    while r < rows {
-        let av = a[r * dh + d];
-        for (v, &x) in y.iter_mut().zip(&m[r * t..]) {
-            *v = madd::<F, FMA>(av, x, *v);
-        }
-        r += 1;
-    }
 }
 
 #[cfg(test)]
