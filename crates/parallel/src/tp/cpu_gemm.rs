@@ -42,6 +42,8 @@ const KC: usize = 256;
 /// Bytes of packed `B` one pass over a work item's row panels keeps hot (about a third of a
 /// 1 MiB L2).
 const B_BLOCK_BYTES: usize = 384 * 1024;
+/// Units of a `B` panel packed together from a transposed `B` (64 rows of the panel, 8 KiB).
+const PACK_BLOCK: usize = 64;
 /// Row panels one work item takes.
 const PANELS_PER_ITEM: usize = 2;
 
@@ -294,10 +296,23 @@ impl Packing<'_> {
         match self {
             Packing::F32 { b, .. } => {
                 if b.rs == 1 && b.cs != 1 {
-                    for c in 0..width {
-                        let col = &b.data[(c0 + c) * b.cs..][..k];
-                        for (kk, v) in col.iter().enumerate() {
-                            panel[kk * NR + c] = v.to_bits();
+                    // each column's k run is contiguous: a transpose, in blocks of units whose
+                    // panel rows stay in L1 while every column writes into them
+                    for kk0 in (0..k).step_by(PACK_BLOCK) {
+                        let kn = PACK_BLOCK.min(k - kk0);
+                        let rows = &mut panel[kk0 * NR..(kk0 + kn) * NR];
+                        for c in 0..width {
+                            let col = &b.data[(c0 + c) * b.cs + kk0..][..kn];
+                            for (dst, v) in rows.chunks_exact_mut(NR).zip(col) {
+                                dst[c] = v.to_bits();
+                            }
+                        }
+                    }
+                } else if b.cs == 1 {
+                    for kk in 0..k {
+                        let src = &b.data[kk * b.rs + c0..][..width];
+                        for (d, v) in panel[kk * NR..kk * NR + width].iter_mut().zip(src) {
+                            *d = v.to_bits();
                         }
                     }
                 } else {
@@ -415,8 +430,10 @@ impl Packing<'_> {
 
     /// The tile `A[r0 .. r0 + MR, units u0 .. u1] B[units u0 .. u1, c0 .. c0 + NR]` with `A`
     /// from `pa` (packed, `units * MR` elements) or read in place, and `B` from `pb` (a packed
-    /// panel, `units * NR` elements) or read in place. Returns false, computing nothing, if an
-    /// in-place read would leave its slice (which the callers' choices rule out).
+    /// panel, `units * NR` elements) or read in place, stored into (or, with `add`, added to)
+    /// the `MR x NR` tile of `c` whose rows are `crs` apart. Returns false, computing nothing,
+    /// if an in-place read would leave its slice (which the callers' choices rule out) or the
+    /// tile would leave `c`.
     #[cfg(target_arch = "x86_64")]
     #[allow(clippy::too_many_arguments)]
     fn tile(
@@ -427,12 +444,17 @@ impl Packing<'_> {
         c0: usize,
         pb: Option<&[u32]>,
         units: usize,
-        tile: &mut [[f32; NR]; MR],
+        (c, crs, add): (&mut [f32], usize, bool),
     ) -> bool {
         let len = u1 - u0;
-        if len == 0 {
+        if len == 0 || crs < NR || (MR - 1) * crs + NR > c.len() {
             return false;
         }
+        let dst = kernel::Dst {
+            c: c.as_mut_ptr(),
+            crs,
+            add,
+        };
         // (pointer, its slice's length from the pointer, row stride, unit stride): the largest
         // offset a kernel reads is (MR - 1) * row stride + (len - 1) * unit stride (+1 for a
         // bf16 pair)
@@ -471,9 +493,9 @@ impl Packing<'_> {
                     return false;
                 }
                 // SAFETY: the CPU has avx512f (the caller checked); every element the kernel
-                // reads lies inside the slices checked just above; u32 and f32 share size and
-                // alignment
-                unsafe { kernel::tile_f32(len, ap, ars, aks, bp, bks, tile) };
+                // reads lies inside the slices checked just above, and the tile it writes inside
+                // `c` (checked on entry); u32 and f32 share size and alignment
+                unsafe { kernel::tile_f32(len, ap, ars, aks, bp, bks, dst) };
                 true
             }
             Packing::Bf16 { a, .. } => {
@@ -498,8 +520,9 @@ impl Packing<'_> {
                     return false;
                 }
                 // SAFETY: the CPU has avx512f and avx512bf16 (the caller checked); every pair
-                // the kernel reads lies inside the slices checked just above
-                unsafe { kernel::tile_bf16(len, ap, ars, aqs, bs.as_ptr(), tile) };
+                // the kernel reads lies inside the slices checked just above, and the tile it
+                // writes inside `c` (checked on entry)
+                unsafe { kernel::tile_bf16(len, ap, ars, aqs, bs.as_ptr(), dst) };
                 true
             }
         }
@@ -590,6 +613,24 @@ fn blocked<O: Output>(
                                 &packed_b[(j - first_packed) * units * NR..][..units * NR]
                             });
                             let cols = NR.min(n - j * NR);
+                            let o = p * MR * n + j * NR;
+                            // a whole tile goes straight into the rows; an edge tile through
+                            // `tile`
+                            let direct = rows == MR
+                                && cols == NR
+                                && packing.tile(
+                                    (u0, u1),
+                                    r_first + p * MR,
+                                    pa.as_deref(),
+                                    j * NR,
+                                    pb,
+                                    units,
+                                    (&mut acc[o..], n, add),
+                                );
+                            if direct {
+                                continue;
+                            }
+                            let scratch = (tile.as_flattened_mut(), NR, false);
                             let done = packing.tile(
                                 (u0, u1),
                                 r_first + p * MR,
@@ -597,7 +638,7 @@ fn blocked<O: Output>(
                                 j * NR,
                                 pb,
                                 units,
-                                &mut tile,
+                                scratch,
                             );
                             if !done {
                                 // unreachable by the choices above; packed operands always fit
@@ -612,12 +653,11 @@ fn blocked<O: Output>(
                                     j * NR,
                                     Some(&b2),
                                     units,
-                                    &mut tile,
+                                    (tile.as_flattened_mut(), NR, false),
                                 );
                             }
                             for (r, trow) in tile.iter().enumerate().take(rows) {
-                                let o = (p * MR + r) * n + j * NR;
-                                let dr = &mut acc[o..o + cols];
+                                let dr = &mut acc[o + r * n..o + r * n + cols];
                                 if add {
                                     for (d, &v) in dr.iter_mut().zip(trow) {
                                         *d += v;
@@ -647,24 +687,55 @@ mod kernel {
         unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
     }
 
-    /// Stores the 8 x 32 accumulators into `tile`.
+    /// Where a kernel leaves its 8 x 32 tile: rows `crs` apart from `c`, stored, or added to
+    /// what is there with `add` (the sums then start from those values).
+    pub(super) struct Dst {
+        pub(super) c: *mut f32,
+        pub(super) crs: usize,
+        pub(super) add: bool,
+    }
+
+    /// The accumulators' start: the tile's values with `add`, zero otherwise.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f; with `add`, the tile must be readable.
     #[inline(always)]
-    fn store(c: [[__m512; 2]; MR], tile: &mut [[f32; NR]; MR]) {
-        for (out, cr) in tile.iter_mut().zip(c) {
-            // SAFETY: each row of the tile holds NR = 32 f32
+    unsafe fn start(d: &Dst) -> [[__m512; 2]; MR] {
+        // SAFETY: the CPU has avx512f (the caller's contract)
+        let mut c = [[unsafe { _mm512_setzero_ps() }; 2]; MR];
+        if d.add {
+            for (r, cr) in c.iter_mut().enumerate() {
+                // SAFETY: the tile is readable (the caller's contract)
+                unsafe {
+                    cr[0] = _mm512_loadu_ps(d.c.add(r * d.crs));
+                    cr[1] = _mm512_loadu_ps(d.c.add(r * d.crs + 16));
+                }
+            }
+        }
+        c
+    }
+
+    /// Stores the 8 x 32 accumulators into the tile.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f; the tile must be writable.
+    #[inline(always)]
+    unsafe fn store(c: [[__m512; 2]; MR], d: &Dst) {
+        for (r, cr) in c.iter().enumerate() {
+            // SAFETY: the tile is writable (the caller's contract)
             unsafe {
-                _mm512_storeu_ps(out.as_mut_ptr(), cr[0]);
-                _mm512_storeu_ps(out.as_mut_ptr().add(16), cr[1]);
+                _mm512_storeu_ps(d.c.add(r * d.crs), cr[0]);
+                _mm512_storeu_ps(d.c.add(r * d.crs + 16), cr[1]);
             }
         }
     }
 
-    /// `tile = A B` over `units` bf16 pairs: pair `(r, q)` of `A` is the u32 at u16 offset
+    /// `tile (+)= A B` over `units` bf16 pairs: pair `(r, q)` of `A` is the u32 at u16 offset
     /// `r * ars + q * aqs` from `a`, unit `q` of `B` the 32 pairs at `b + q * NR`.
     ///
     /// # Safety
     /// The CPU must have avx512f and avx512bf16; every pair and unit read must lie inside one
-    /// allocation.
+    /// allocation, and the tile of `dst` be readable and writable.
     #[target_feature(enable = "avx512f,avx512bf16")]
     pub(super) unsafe fn tile_bf16(
         units: usize,
@@ -672,9 +743,10 @@ mod kernel {
         ars: usize,
         aqs: usize,
         b: *const u32,
-        tile: &mut [[f32; NR]; MR],
+        dst: Dst,
     ) {
-        let mut c = [[_mm512_setzero_ps(); 2]; MR];
+        // SAFETY: the tile is readable (the caller's contract)
+        let mut c = unsafe { start(&dst) };
         for q in 0..units {
             // SAFETY: in bounds by the caller's contract
             let (b0, b1) = unsafe {
@@ -691,14 +763,16 @@ mod kernel {
                 cr[1] = _mm512_dpbf16_ps(cr[1], av, b1);
             }
         }
-        store(c, tile);
+        // SAFETY: the tile is writable (the caller's contract)
+        unsafe { store(c, &dst) };
     }
 
-    /// `tile = A B` over `units` f32 values, one FMA per product: `A[r, kk]` at
+    /// `tile (+)= A B` over `units` f32 values, one FMA per product: `A[r, kk]` at
     /// `a + r * ars + kk * aks`, row `kk` of `B` the 32 values at `b + kk * bks`.
     ///
     /// # Safety
-    /// The CPU must have avx512f; every element read must lie inside one allocation.
+    /// The CPU must have avx512f; every element read must lie inside one allocation, and the
+    /// tile of `dst` be readable and writable.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn tile_f32(
         units: usize,
@@ -707,9 +781,10 @@ mod kernel {
         aks: usize,
         b: *const f32,
         bks: usize,
-        tile: &mut [[f32; NR]; MR],
+        dst: Dst,
     ) {
-        let mut c = [[_mm512_setzero_ps(); 2]; MR];
+        // SAFETY: the tile is readable (the caller's contract)
+        let mut c = unsafe { start(&dst) };
         for kk in 0..units {
             // SAFETY: in bounds by the caller's contract
             let (b0, b1) = unsafe {
@@ -725,7 +800,8 @@ mod kernel {
                 cr[1] = _mm512_fmadd_ps(av, b1, cr[1]);
             }
         }
-        store(c, tile);
+        // SAFETY: the tile is writable (the caller's contract)
+        unsafe { store(c, &dst) };
     }
 
     /// `out[i] = bits(round_bf16(src[i]))`, round to nearest even; every element of
