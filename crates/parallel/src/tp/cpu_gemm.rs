@@ -13,7 +13,7 @@
 //! hardware's double rate (see [`crate::tp::MatmulPrecision`]). Accumulation is f32; a bf16
 //! result is rounded once at the end.
 //!
-//! Work items (16 rows each) are shared out over candle's worker pool. Every output element is
+//! Work items (16 to 64 rows each) are shared out over candle's worker pool. Every output element is
 //! summed by one thread in a fixed order (reduction blocks in order, each block's terms in
 //! order), so results do not depend on the thread count: the same inputs give the same bits.
 //!
@@ -45,7 +45,13 @@ const B_BLOCK_BYTES: usize = 384 * 1024;
 /// Units of a `B` panel packed together from a transposed `B` (64 rows of the panel, 8 KiB).
 const PACK_BLOCK: usize = 64;
 /// Row panels one work item takes.
-const PANELS_PER_ITEM: usize = 2;
+/// Row panels one work item takes: as many as leave about 8 items per thread, from 2 to 8.
+/// An item streams all of `B` through L2 once, so more rows per item read it fewer times
+/// (at n = 8192 and 2048 a product ran 30-40% faster with 8 panels than with 2).
+fn panels_per_item(m: usize) -> usize {
+    let threads = candle_core::utils::get_num_threads().max(1);
+    (m / (MR * 8 * threads)).clamp(2, 8)
+}
 
 /// Whether the running CPU has the AVX-512 BF16 dot product (the bf16 kernel).
 pub(crate) fn has_bf16_dot() -> bool {
@@ -550,7 +556,7 @@ pub(crate) fn run_items(n: usize, work_per_item: usize, f: impl Fn(usize) + Sync
     }
 }
 
-/// The blocked product: `B` packed once (in parallel), then work items of 16 rows, each
+/// The blocked product: `B` packed once (in parallel), then work items of 16 to 64 rows, each
 /// packing its `A` rows and running the micro-kernel over reduction blocks, `B` panel blocks,
 /// its row panels and the panels of the block, in that order.
 #[cfg(target_arch = "x86_64")]
@@ -578,7 +584,7 @@ fn blocked<O: Output>(
     // column panels per block: the block's B stays in L2 while every row panel of a work
     // item passes over it
     let block = (B_BLOCK_BYTES / (kc * NR * 4)).clamp(1, n_panels);
-    let rows_per_item = MR * PANELS_PER_ITEM;
+    let rows_per_item = MR * panels_per_item(m);
     let a_direct = packing.a_direct(k);
     let items = slots(&mut dst[..m * n], rows_per_item * n);
     run_items(items.len(), rows_per_item * n * k, |i| {
