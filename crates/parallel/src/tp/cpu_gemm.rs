@@ -13,9 +13,10 @@
 //! hardware's double rate (see [`crate::tp::MatmulPrecision`]). Accumulation is f32; a bf16
 //! result is rounded once at the end.
 //!
-//! Work items (16 to 64 rows each) are shared out over candle's worker pool. Every output element is
-//! summed by one thread in a fixed order (reduction blocks in order, each block's terms in
-//! order), so results do not depend on the thread count: the same inputs give the same bits.
+//! Work items (16 to 64 rows each) are shared out over candle's worker pool. Every output
+//! element is summed by one thread in a fixed order (reduction blocks in order, each block's
+//! terms in order), so results do not depend on the thread count or on the rows per item: the
+//! same inputs give the same bits.
 //!
 //! Without AVX-512 (checked once at run time) f32 goes to gemm's kernels, and bf16 widens to
 //! f32 first, as candle does.
