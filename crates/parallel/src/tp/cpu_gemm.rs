@@ -25,7 +25,6 @@ use crate::fastmath::has_avx512;
 use crate::tp::dense::Mat;
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
-use std::borrow::Cow;
 use std::sync::Mutex;
 
 /// Row stride (in f32) from which `B` is packed even where its rows could be read in place:
@@ -71,9 +70,6 @@ pub(crate) fn has_bf16_dot() -> bool {
 pub(crate) trait Operand: Copy + Sync {
     /// The bf16 value, widened to f32.
     fn bf16_value(self) -> f32;
-    /// The bf16 bits of a whole slice: borrowed for bf16, converted (vectorised where the CPU
-    /// has avx512_bf16) for f32.
-    fn bits_of(data: &[Self]) -> Cow<'_, [u16]>;
 }
 
 impl Operand for bf16 {
@@ -81,44 +77,12 @@ impl Operand for bf16 {
     fn bf16_value(self) -> f32 {
         self.to_f32()
     }
-    fn bits_of(data: &[Self]) -> Cow<'_, [u16]> {
-        Cow::Borrowed(data.reinterpret_cast())
-    }
 }
 
 impl Operand for f32 {
     #[inline(always)]
     fn bf16_value(self) -> f32 {
         bf16::from_f32(self).to_f32()
-    }
-    fn bits_of(data: &[Self]) -> Cow<'_, [u16]> {
-        let n = data.len();
-        let mut out: Vec<u16> = Vec::with_capacity(n);
-        #[cfg(target_arch = "x86_64")]
-        if has_bf16_dot() {
-            // written once, in parallel, with no zero-fill first
-            let chunk = 1 << 15;
-            let slots = slots(&mut out.spare_capacity_mut()[..n], chunk);
-            let done = std::sync::atomic::AtomicUsize::new(0);
-            run_items(slots.len(), chunk, |i| {
-                if let Some(o) = take(&slots[i]) {
-                    let src = &data[i * chunk..i * chunk + o.len()];
-                    // SAFETY: the CPU has avx512f and avx512bf16 (checked above)
-                    unsafe { kernel::round_to_bf16(src, o) };
-                    done.fetch_add(o.len(), std::sync::atomic::Ordering::Relaxed);
-                }
-            });
-            drop(slots);
-            if done.into_inner() == n {
-                // SAFETY: the chunks cover the first `n` elements and each was written whole
-                // by `round_to_bf16` (`done` counts them)
-                unsafe { out.set_len(n) };
-                return Cow::Owned(out);
-            }
-            out.clear();
-        }
-        out.extend(data.iter().map(|&v| bf16::from_f32(v).to_bits()));
-        Cow::Owned(out)
     }
 }
 
@@ -206,29 +170,39 @@ pub(crate) fn gemm_f32_bf16(
     a: Mat<'_, f32>,
     b: Mat<'_, f32>,
 ) {
-    gemm_pairs(dst, accumulate, mnk, a, b)
+    let (m, n, k) = mnk;
+    if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_bf16_dot() && k > 0 {
+        // rounded to bf16 pairs as they are packed: no rounded copy of either operand
+        blocked(dst, accumulate, mnk, &Packing::F32AsBf16 { a, b });
+        return;
+    }
+    widened(dst, accumulate, mnk, a, b);
 }
 
-fn gemm_pairs<A: Operand, O: Output>(
+fn gemm_pairs<O: Output>(
     dst: &mut [O],
     accumulate: bool,
     (m, n, k): (usize, usize, usize),
-    a: Mat<'_, A>,
-    b: Mat<'_, A>,
+    a: Mat<'_, bf16>,
+    b: Mat<'_, bf16>,
 ) {
     if m == 0 || n == 0 {
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if has_bf16_dot() && k > 0 {
-        let (ab, bb) = (A::bits_of(a.data), A::bits_of(b.data));
+        let (ab, bb): (&[u16], &[u16]) = (a.data.reinterpret_cast(), b.data.reinterpret_cast());
         let a = Bits {
-            data: &ab,
+            data: ab,
             rs: a.rs,
             cs: a.cs,
         };
         let b = Bits {
-            data: &bb,
+            data: bb,
             rs: b.rs,
             cs: b.cs,
         };
@@ -285,6 +259,8 @@ enum Packing<'a> {
     F32 { a: Mat<'a, f32>, b: Mat<'a, f32> },
     /// bf16 pairs along the reduction, one pair per unit.
     Bf16 { a: Bits<'a>, b: Bits<'a> },
+    /// f32 values rounded to bf16 pairs (nearest even) as they are packed.
+    F32AsBf16 { a: Mat<'a, f32>, b: Mat<'a, f32> },
 }
 
 impl Packing<'_> {
@@ -292,7 +268,7 @@ impl Packing<'_> {
     fn units(&self, k: usize) -> usize {
         match self {
             Packing::F32 { .. } => k,
-            Packing::Bf16 { .. } => k.div_ceil(2),
+            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => k.div_ceil(2),
         }
     }
 
@@ -359,6 +335,38 @@ impl Packing<'_> {
                     }
                 }
             }
+            Packing::F32AsBf16 { b, .. } => {
+                let full = k / 2;
+                if width < NR {
+                    panel[..k.div_ceil(2) * NR].fill(0);
+                }
+                if b.cs == 1 && width == NR && full > 0 {
+                    // two rows of 32 columns at a time
+                    pairs_strided(&b.data[c0..], b.rs, full, NR, panel);
+                } else if b.rs == 1 && b.cs != 1 {
+                    // each column's k run is contiguous: its pairs are adjacent values
+                    let mut run = vec![0u32; full];
+                    for c in 0..width {
+                        pairs_along(&b.data[(c0 + c) * b.cs..][..2 * full], &mut run);
+                        for (q, &pair) in run.iter().enumerate() {
+                            panel[q * NR + c] = pair;
+                        }
+                    }
+                } else {
+                    for q in 0..full {
+                        for c in 0..width {
+                            let at = |r: usize| b.data[r * b.rs + (c0 + c) * b.cs];
+                            panel[q * NR + c] = pair_of(at(2 * q), at(2 * q + 1));
+                        }
+                    }
+                }
+                if k % 2 == 1 {
+                    for c in 0..width {
+                        let v = b.data[(k - 1) * b.rs + (c0 + c) * b.cs];
+                        panel[full * NR + c] = pair_of(v, 0.0);
+                    }
+                }
+            }
         }
     }
 
@@ -414,6 +422,34 @@ impl Packing<'_> {
                     }
                 }
             }
+            Packing::F32AsBf16 { a, .. } => {
+                let full = k / 2;
+                if a.cs == 1 {
+                    // each row's pairs are adjacent values
+                    let mut run = vec![0u32; full];
+                    for r in 0..rows {
+                        pairs_along(&a.data[(r0 + r) * a.rs..][..2 * full], &mut run);
+                        for (q, &pair) in run.iter().enumerate() {
+                            out[q * MR + r] = pair;
+                        }
+                    }
+                } else if a.rs == 1 && rows == MR && full > 0 {
+                    // the 8 rows of a unit's two values are adjacent
+                    pairs_strided(&a.data[r0..], a.cs, full, MR, out);
+                } else {
+                    for q in 0..full {
+                        for r in 0..rows {
+                            let at = |c: usize| a.data[(r0 + r) * a.rs + c * a.cs];
+                            out[q * MR + r] = pair_of(at(2 * q), at(2 * q + 1));
+                        }
+                    }
+                }
+                if k % 2 == 1 {
+                    for r in 0..rows {
+                        out[full * MR + r] = pair_of(a.data[(r0 + r) * a.rs + (k - 1) * a.cs], 0.0);
+                    }
+                }
+            }
         }
     }
 
@@ -423,6 +459,7 @@ impl Packing<'_> {
         match self {
             Packing::F32 { .. } => true,
             Packing::Bf16 { a, .. } => a.cs == 1 && k % 2 == 0,
+            Packing::F32AsBf16 { .. } => false,
         }
     }
 
@@ -431,7 +468,7 @@ impl Packing<'_> {
     fn b_direct(&self) -> bool {
         match self {
             Packing::F32 { b, .. } => b.cs == 1 && b.rs < DIRECT_B_MAX_STRIDE,
-            Packing::Bf16 { .. } => false,
+            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => false,
         }
     }
 
@@ -505,13 +542,14 @@ impl Packing<'_> {
                 unsafe { kernel::tile_f32(len, ap, ars, aks, bp, bks, dst) };
                 true
             }
-            Packing::Bf16 { a, .. } => {
-                let (ap, aavail, ars, aqs): (*const u16, usize, usize, usize) = match pa {
-                    Some(p) => {
+            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => {
+                let (ap, aavail, ars, aqs): (*const u16, usize, usize, usize) = match (pa, self) {
+                    (Some(p), _) => {
                         let s = &p[u0 * MR..units * MR];
                         (s.as_ptr() as *const u16, 2 * s.len(), 2, 2 * MR)
                     }
-                    None => {
+                    (None, Packing::F32AsBf16 { .. } | Packing::F32 { .. }) => return false,
+                    (None, Packing::Bf16 { a, .. }) => {
                         let off = r0 * a.rs + 2 * u0;
                         let Some(s) = a.data.get(off..) else {
                             return false;
@@ -532,6 +570,48 @@ impl Packing<'_> {
                 unsafe { kernel::tile_bf16(len, ap, ars, aqs, bs.as_ptr(), dst) };
                 true
             }
+        }
+    }
+}
+
+/// The bf16 pair `(lo, hi)` (each rounded to nearest even) as one u32, `lo` in the low half.
+fn pair_of(lo: f32, hi: f32) -> u32 {
+    u32::from(bf16::from_f32(lo).to_bits()) | (u32::from(bf16::from_f32(hi).to_bits()) << 16)
+}
+
+/// `out[q] = pair_of(src[2q], src[2q + 1])` for `q < out.len()` (`src` holds `2 out.len()`).
+fn pairs_along(src: &[f32], out: &mut [u32]) {
+    let n = out.len().min(src.len() / 2);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_bf16_dot() {
+        // SAFETY: the CPU has avx512f and avx512bf16 (checked); the kernel reads `2 n` values
+        // and writes `n` pairs, which the slices hold
+        done = unsafe { kernel::pairs_along(&src[..2 * n], &mut out[..n]) };
+    }
+    for q in done..n {
+        out[q] = pair_of(src[2 * q], src[2 * q + 1]);
+    }
+}
+
+/// `out[q * width + i] = pair_of(src[2q rs + i], src[(2q + 1) rs + i])` for `q < units`,
+/// `i < width`: pairs of rows `rs` apart, `width` values each.
+fn pairs_strided(src: &[f32], rs: usize, units: usize, width: usize, out: &mut [u32]) {
+    let reach = (2 * units).saturating_sub(1) * rs + width;
+    if units == 0 || src.len() < reach || out.len() < units * width {
+        // the callers' extents rule this out; nothing is read out of bounds either way
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_bf16_dot() && width % 8 == 0 {
+        // SAFETY: the CPU has avx512f and avx512bf16 (checked); every row read lies inside
+        // `src` and every pair written inside `out` (both checked above)
+        unsafe { kernel::pairs_strided(src.as_ptr(), rs, units, width, out.as_mut_ptr()) };
+        return;
+    }
+    for q in 0..units {
+        for i in 0..width {
+            out[q * width + i] = pair_of(src[2 * q * rs + i], src[(2 * q + 1) * rs + i]);
         }
     }
 }
@@ -684,7 +764,6 @@ fn blocked<O: Output>(
 #[cfg(target_arch = "x86_64")]
 mod kernel {
     use super::{MR, NR};
-    use half::bf16;
     use std::arch::x86_64::*;
 
     /// 32 bf16 held as 16 pairs.
@@ -811,30 +890,84 @@ mod kernel {
         unsafe { store(c, &dst) };
     }
 
-    /// `out[i] = bits(round_bf16(src[i]))`, round to nearest even; every element of
-    /// `out[..min(len)]` is written.
+    /// 16 values rounded to bf16 (nearest even), each zero-extended to a 32-bit lane.
     ///
     /// # Safety
     /// The CPU must have avx512f and avx512bf16.
     #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) unsafe fn round_to_bf16(src: &[f32], out: &mut [std::mem::MaybeUninit<u16>]) {
-        let n = src.len().min(out.len());
-        let full = n / 16 * 16;
-        let mut i = 0;
-        while i < full {
-            // SAFETY: i + 16 <= n for both slices
+    unsafe fn bf16_lanes(v: __m512) -> __m512i {
+        // SAFETY: both are 32-byte vectors of plain bits
+        let h = unsafe { std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)) };
+        _mm512_cvtepu16_epi32(h)
+    }
+
+    /// `out[q] = (bf16(src[2q]), bf16(src[2q + 1]))` as u32 pairs, 16 pairs at a time;
+    /// returns how many pairs it wrote (the rest are the caller's).
+    ///
+    /// # Safety
+    /// The CPU must have avx512f and avx512bf16; `src` must hold `2 out.len()` values.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn pairs_along(src: &[f32], out: &mut [u32]) -> usize {
+        let n = out.len().min(src.len() / 2) / 16 * 16;
+        let mut q = 0;
+        while q < n {
+            // SAFETY: 2q + 32 <= src.len() and q + 16 <= out.len()
             unsafe {
-                let v = _mm512_loadu_ps(src.as_ptr().add(i));
-                let r = _mm512_cvtneps_pbh(v);
-                _mm256_storeu_si256(
-                    out.as_mut_ptr().add(i) as *mut __m256i,
-                    std::mem::transmute::<__m256bh, __m256i>(r),
-                );
+                let v0 = _mm512_loadu_ps(src.as_ptr().add(2 * q));
+                let v1 = _mm512_loadu_ps(src.as_ptr().add(2 * q + 16));
+                // lanes 0..16 from v0, 16..32 from v1: the values in order, read as pairs
+                let r = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(v1, v0));
+                _mm512_storeu_si512(out.as_mut_ptr().add(q) as *mut __m512i, r);
             }
-            i += 16;
+            q += 16;
         }
-        for (o, &v) in out[full..n].iter_mut().zip(&src[full..n]) {
-            o.write(bf16::from_f32(v).to_bits());
+        n
+    }
+
+    /// `out[q * width + i] = (bf16(src[2q rs + i]), bf16(src[(2q + 1) rs + i]))` for
+    /// `q < units`, `i < width`, 16 (or a last 8) values at a time.
+    ///
+    /// # Safety
+    /// The CPU must have avx512f and avx512bf16; `width` must be a multiple of 8, `src` hold
+    /// `(2 units - 1) rs + width` values and `out` `units * width` pairs.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn pairs_strided(
+        src: *const f32,
+        rs: usize,
+        units: usize,
+        width: usize,
+        out: *mut u32,
+    ) {
+        for q in 0..units {
+            // SAFETY: in bounds by the caller's contract
+            let (lo, hi, o) = unsafe {
+                (
+                    src.add(2 * q * rs),
+                    src.add((2 * q + 1) * rs),
+                    out.add(q * width),
+                )
+            };
+            let mut i = 0;
+            while i + 16 <= width {
+                // SAFETY: i + 16 <= width values of each row and pairs of `o`
+                unsafe {
+                    let l = bf16_lanes(_mm512_loadu_ps(lo.add(i)));
+                    let h = bf16_lanes(_mm512_loadu_ps(hi.add(i)));
+                    let p = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
+                    _mm512_storeu_si512(o.add(i) as *mut __m512i, p);
+                }
+                i += 16;
+            }
+            if i < width {
+                // SAFETY: the last 8 of `width` (a multiple of 8); the upper lanes are zero
+                // and not stored
+                unsafe {
+                    let l = bf16_lanes(_mm512_zextps256_ps512(_mm256_loadu_ps(lo.add(i))));
+                    let h = bf16_lanes(_mm512_zextps256_ps512(_mm256_loadu_ps(hi.add(i))));
+                    let p = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
+                    _mm256_storeu_si256(o.add(i) as *mut __m256i, _mm512_castsi512_si256(p));
+                }
+            }
         }
     }
 }
