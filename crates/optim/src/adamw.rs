@@ -327,6 +327,10 @@ impl Optimizer for AdamW {
         "adamw"
     }
 
+    fn set_threads(&mut self, threads: usize) {
+        AdamW::set_threads(self, threads);
+    }
+
     fn set_decay_overrides(&mut self, overrides: Vec<DecayOverride>) -> Result<()> {
         check_overrides(&overrides, self.m.len())?;
         self.decay_overrides = overrides;

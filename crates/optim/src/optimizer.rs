@@ -50,6 +50,12 @@ pub trait Optimizer: Send {
     /// The state buffers, writable (to restore them from a checkpoint in place).
     fn state_buffers_mut(&mut self) -> Vec<(&'static str, &mut [f32])>;
 
+    /// How many threads a step may split its buffer over (1 runs on the caller's thread). The
+    /// values do not depend on it. The default ignores it: an optimizer that has no threads.
+    fn set_threads(&mut self, threads: usize) {
+        let _ = threads;
+    }
+
     /// The concrete optimizer, for code that runs a known optimizer on its own kernels
     /// (kiln-parallel's device-resident CUDA step runs [`AdamW`] this way). `None` (the
     /// default): only [`Optimizer::step`] may update it.

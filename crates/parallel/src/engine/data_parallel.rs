@@ -695,7 +695,9 @@ impl DataParallel {
         };
         let (mut params, mut delta) = (kiln_optim::SquareSum::new(), kiln_optim::SquareSum::new());
         let mut old = std::mem::take(&mut self.scratch);
+        let threads = self.host_threads();
         for u in 0..self.layout.units().len() {
+            self.optim[u].set_threads(threads);
             let c = chunk_range(self.layout.units()[u].len, self.dp_size, self.dp_rank);
             let grads: &[f32] = match self.cfg.stage {
                 Stage::Replicated => &self.grads[u],
@@ -770,11 +772,24 @@ impl DataParallel {
         })
     }
 
+    /// Threads this rank's host-side work over whole buffers (the optimizer, the gradient norm)
+    /// may use: candle's CPU thread count, shared among the ranks of this process when they
+    /// are threads (so that four thread ranks on two cores do not start eight threads each).
+    fn host_threads(&self) -> usize {
+        let ranks = if self.comm.backend() == "thread" {
+            self.dp_size * self.tp.as_ref().map_or(1, |t| t.world_size())
+        } else {
+            1
+        };
+        (candle_core::utils::get_num_threads() / ranks.max(1)).max(1)
+    }
+
     /// The global L2 norm of the gradients from each rank's chunks (the square sums are exact,
     /// so the result does not depend on the chunking).
     fn global_norm(&self) -> Result<f64> {
         let mut split = kiln_optim::SquareSum::new();
         let mut replicated = kiln_optim::SquareSum::new();
+        let threads = self.host_threads();
         for (u, unit) in self.layout.units().iter().enumerate() {
             let c = chunk_range(unit.len, self.dp_size, self.dp_rank);
             let owned = self.owned_grads(u);
@@ -787,11 +802,17 @@ impl DataParallel {
                 if lo >= hi {
                     continue;
                 }
-                let part = &owned[lo - c.start..hi - c.start];
-                if self.tp.is_some() && self.splits[p] == TpSplit::Replicated {
-                    replicated.add(part);
+                let values = &owned[lo - c.start..hi - c.start];
+                // threads only for buffers worth starting them for
+                let part = if values.len() >= kiln_optim::PARALLEL_MIN_LEN {
+                    kiln_optim::SquareSum::of_threads(values, threads)
                 } else {
-                    split.add(part);
+                    kiln_optim::SquareSum::of(values)
+                };
+                if self.tp.is_some() && self.splits[p] == TpSplit::Replicated {
+                    replicated.merge(&part);
+                } else {
+                    split.merge(&part);
                 }
             }
         }
