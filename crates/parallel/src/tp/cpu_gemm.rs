@@ -340,9 +340,12 @@ impl Packing<'_> {
                 if width < NR {
                     panel[..k.div_ceil(2) * NR].fill(0);
                 }
-                if b.cs == 1 && width == NR && full > 0 {
-                    // two rows of 32 columns at a time
-                    pairs_strided(&b.data[c0..], b.rs, full, NR, panel);
+                if b.cs == 1
+                    && width == NR
+                    && full > 0
+                    && pairs_strided(&b.data[c0..], b.rs, full, NR, panel)
+                {
+                    // two rows of 32 columns at a time: done
                 } else if b.rs == 1 && b.cs != 1 {
                     // each column's k run is contiguous: its pairs are adjacent values
                     let mut run = vec![0u32; full];
@@ -433,9 +436,12 @@ impl Packing<'_> {
                             out[q * MR + r] = pair;
                         }
                     }
-                } else if a.rs == 1 && rows == MR && full > 0 {
-                    // the 8 rows of a unit's two values are adjacent
-                    pairs_strided(&a.data[r0..], a.cs, full, MR, out);
+                } else if a.rs == 1
+                    && rows == MR
+                    && full > 0
+                    && pairs_strided(&a.data[r0..], a.cs, full, MR, out)
+                {
+                    // the 8 rows of a unit's two values are adjacent: done
                 } else {
                     for q in 0..full {
                         for r in 0..rows {
@@ -451,6 +457,41 @@ impl Packing<'_> {
                 }
             }
         }
+    }
+
+    /// All the row panels of a work item's `rows` rows from `r0` at once, where that reads
+    /// memory better than panel by panel: f32 rounded to bf16 from a transposed `A`, whose
+    /// `rows` values of one reduction index are adjacent. Panel by panel, each read took 32
+    /// bytes of a row that may lie 32 KiB from the next (the vocabulary product's gradient);
+    /// here it takes the item's whole run. `None` where this does not apply.
+    fn pack_a_item(&self, k: usize, r0: usize, rows: usize) -> Option<Vec<Vec<u32>>> {
+        let Packing::F32AsBf16 { a, .. } = self else {
+            return None;
+        };
+        let full = k / 2;
+        if a.rs != 1 || a.cs == 1 || rows == 0 || rows % MR != 0 || full == 0 {
+            return None;
+        }
+        let mut run = vec![0u32; full * rows];
+        if !pairs_strided(a.data.get(r0..)?, a.cs, full, rows, &mut run) {
+            return None;
+        }
+        let units = k.div_ceil(2);
+        let mut panels = vec![vec![0u32; units * MR]; rows / MR];
+        for (q, unit) in run.chunks_exact(rows).enumerate() {
+            for (panel, vals) in panels.iter_mut().zip(unit.chunks_exact(MR)) {
+                panel[q * MR..(q + 1) * MR].copy_from_slice(vals);
+            }
+        }
+        if k % 2 == 1 {
+            for (p, panel) in panels.iter_mut().enumerate() {
+                for r in 0..MR {
+                    let v = a.data[r0 + p * MR + r + (k - 1) * a.cs];
+                    panel[full * MR + r] = pair_of(v, 0.0);
+                }
+            }
+        }
+        Some(panels)
     }
 
     /// Whether a full panel of `A` can be read in place (no packing): always for f32 (the
@@ -595,25 +636,26 @@ fn pairs_along(src: &[f32], out: &mut [u32]) {
 }
 
 /// `out[q * width + i] = pair_of(src[2q rs + i], src[(2q + 1) rs + i])` for `q < units`,
-/// `i < width`: pairs of rows `rs` apart, `width` values each.
-fn pairs_strided(src: &[f32], rs: usize, units: usize, width: usize, out: &mut [u32]) {
+/// `i < width`: pairs of rows `rs` apart, `width` values each. Returns false, writing nothing,
+/// where `src` or `out` is too short (the callers then pack element by element).
+fn pairs_strided(src: &[f32], rs: usize, units: usize, width: usize, out: &mut [u32]) -> bool {
     let reach = (2 * units).saturating_sub(1) * rs + width;
     if units == 0 || src.len() < reach || out.len() < units * width {
-        // the callers' extents rule this out; nothing is read out of bounds either way
-        return;
+        return false;
     }
     #[cfg(target_arch = "x86_64")]
     if has_bf16_dot() && width % 8 == 0 {
         // SAFETY: the CPU has avx512f and avx512bf16 (checked); every row read lies inside
         // `src` and every pair written inside `out` (both checked above)
         unsafe { kernel::pairs_strided(src.as_ptr(), rs, units, width, out.as_mut_ptr()) };
-        return;
+        return true;
     }
     for q in 0..units {
         for i in 0..width {
             out[q * width + i] = pair_of(src[2 * q * rs + i], src[(2 * q + 1) * rs + i]);
         }
     }
+    true
 }
 
 /// Mutex slots handing out disjoint chunks of `data` to work items.
@@ -677,16 +719,19 @@ fn blocked<O: Output>(
         let panels = item_rows.div_ceil(MR);
         // A is packed where it cannot be read in place: a partial last panel, or bf16 pairs
         // that are not adjacent
-        let packed_a: Vec<Option<Vec<u32>>> = (0..panels)
-            .map(|p| {
-                let rows = MR.min(item_rows - p * MR);
-                (!a_direct || rows < MR).then(|| {
-                    let mut v = vec![0u32; units * MR];
-                    packing.pack_a_panel(m, k, r_first + p * MR, &mut v);
-                    v
+        let packed_a: Vec<Option<Vec<u32>>> = match packing.pack_a_item(k, r_first, item_rows) {
+            Some(panels) => panels.into_iter().map(Some).collect(),
+            None => (0..panels)
+                .map(|p| {
+                    let rows = MR.min(item_rows - p * MR);
+                    (!a_direct || rows < MR).then(|| {
+                        let mut v = vec![0u32; units * MR];
+                        packing.pack_a_panel(m, k, r_first + p * MR, &mut v);
+                        v
+                    })
                 })
-            })
-            .collect();
+                .collect(),
+        };
         let mut tile = [[0f32; NR]; MR];
         O::through_f32(out, accumulate, |acc, accumulate| {
             for u0 in (0..units).step_by(kc) {
