@@ -479,6 +479,10 @@ unsafe fn work(slots: &[Slot], me: usize, n: usize) {
 /// # Safety
 /// See [`work`]; every slot's `output` holds `len` elements of `dtype`.
 unsafe fn all_reduce_part(dtype: DType, slots: &[Slot], me: usize, n: usize, op: ReduceOp) {
+    if n == 1 {
+        // every reduction of one buffer is that buffer, in place
+        return;
+    }
     let range = chunk_range(slots[me].desc.len, n, me);
     let off = range.start * dtype.size_in_bytes();
     let ptrs: Vec<*mut u8> = slots

@@ -472,14 +472,16 @@ impl DataParallel {
     }
 
     fn gather_into_vars(&mut self) -> Result<()> {
-        let mut full = Vec::new();
+        let mut gathered = Vec::new();
         for (u, unit) in self.layout.units().iter().enumerate() {
-            full.resize(unit.len, 0.0);
-            if self.cfg.stage == Stage::Replicated {
-                full.copy_from_slice(&self.master[u]);
+            // replicated: every rank holds the whole unit, written from where it is
+            let full: &[f32] = if self.cfg.stage == Stage::Replicated {
+                &self.master[u]
             } else {
-                self.comm.all_gather(&self.master[u], &mut full)?;
-            }
+                gathered.resize(unit.len, 0.0);
+                self.comm.all_gather(&self.master[u], &mut gathered)?;
+                &gathered
+            };
             for &p in &unit.params {
                 let s = &self.layout.params()[p];
                 if let Some(v) = &self.vars[p] {
