@@ -534,14 +534,34 @@ fn backward<T: DenseElem>(
 /// The column sums of `[rows, n]` rows, in f64 (for half types' sake), rows in order:
 /// deterministic.
 fn column_sums<T: DenseElem>(dy: &[T], n: usize) -> Vec<T> {
-    let mut acc = vec![0f64; n];
-    for row in dy.chunks_exact(n) {
-        for (a, &g) in acc.iter_mut().zip(row) {
-            *a += g.to_f();
-        }
+    if n == 0 {
+        return Vec::new();
     }
-    acc.into_iter().map(T::from_f).collect()
+    let rows = dy.len() / n;
+    let mut out = vec![T::from_f(0.0); n];
+    // strips of columns in parallel, each summing its rows in order: the same sums
+    let strip = COLUMN_STRIP.min(n);
+    let strips = cpu_gemm::slots(&mut out, strip);
+    cpu_gemm::run_items(strips.len(), strip * rows, |i| {
+        let Some(dst) = cpu_gemm::take(&strips[i]) else {
+            return;
+        };
+        let c0 = i * strip;
+        let mut acc = vec![0f64; dst.len()];
+        for row in dy.chunks_exact(n) {
+            for (a, &g) in acc.iter_mut().zip(&row[c0..c0 + dst.len()]) {
+                *a += g.to_f();
+            }
+        }
+        for (d, a) in dst.iter_mut().zip(acc) {
+            *d = T::from_f(a);
+        }
+    });
+    out
 }
+
+/// Columns one task of [`column_sums`] sums.
+const COLUMN_STRIP: usize = 256;
 
 /// Runs `f` on the slices of the storages, which must share one float type.
 macro_rules! dispatch {
@@ -795,6 +815,21 @@ mod tests {
                 ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
             })
             .collect()
+    }
+
+    /// Column sums in parallel strips are bitwise the rows summed in order, one column at a
+    /// time, for widths of one strip, several, and a partial last one.
+    #[test]
+    fn column_sums_are_the_ordered_sums() {
+        for (rows, n) in [(3, 5), (300, 256), (301, 700)] {
+            let dy: Vec<f32> = rand(&[rows, n], 9).iter().map(|&v| v as f32).collect();
+            let got = column_sums(&dy, n);
+            for (c, &g) in got.iter().enumerate() {
+                let want = (0..rows).fold(0f64, |a, r| a + f64::from(dy[r * n + c])) as f32;
+                assert_eq!(g.to_bits(), want.to_bits(), "{rows} x {n}, column {c}");
+            }
+        }
+        assert!(column_sums::<f32>(&[], 0).is_empty());
     }
 
     /// The fused op against candle's composite (reshape, matmul with the transposed weight,
