@@ -531,38 +531,6 @@ fn backward<T: DenseElem>(
     Ok((dx, dw, db))
 }
 
-/// The column sums of `[rows, n]` rows, in f64 (for half types' sake), rows in order:
-/// deterministic.
-fn column_sums<T: DenseElem>(dy: &[T], n: usize) -> Vec<T> {
-    if n == 0 {
-        return Vec::new();
-    }
-    let rows = dy.len() / n;
-    let mut out = vec![T::from_f(0.0); n];
-    // strips of columns in parallel, each summing its rows in order: the same sums
-    let strip = COLUMN_STRIP.min(n);
-    let strips = cpu_gemm::slots(&mut out, strip);
-    cpu_gemm::run_items(strips.len(), strip * rows, |i| {
-        let Some(dst) = cpu_gemm::take(&strips[i]) else {
-            return;
-        };
-        let c0 = i * strip;
-        let mut acc = vec![0f64; dst.len()];
-        for row in dy.chunks_exact(n) {
-            for (a, &g) in acc.iter_mut().zip(&row[c0..c0 + dst.len()]) {
-                *a += g.to_f();
-            }
-        }
-        for (d, a) in dst.iter_mut().zip(acc) {
-            *d = T::from_f(a);
-        }
-    });
-    out
-}
-
-/// Columns one task of [`column_sums`] sums.
-const COLUMN_STRIP: usize = 256;
-
 /// Runs `f` on the slices of the storages, which must share one float type.
 macro_rules! dispatch {
     ($s:expr, |$v:ident : $t:ident| $body:expr) => {
@@ -733,69 +701,9 @@ impl CustomOp3 for LinearBias {
     }
 }
 
-/// `y + b` over the last dimension of `y` (`b` `[n]`, both CPU tensors of one float dtype):
-/// one op whose backward passes the gradient on to `y` and sums its columns for `b`, rows in
-/// order, where candle's broadcast add reduces over the leading dimensions with a strided sum
-/// (3% of the main job's step). The forward is candle's element for element.
-pub(crate) fn add_bias_cpu(y: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    y.contiguous()?.apply_op2(&b.contiguous()?, AddBias)
-}
-
-struct AddBias;
-
-impl CustomOp2 for AddBias {
-    fn name(&self) -> &'static str {
-        "kiln-add-bias"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let n = l2.shape().elem_count();
-        if l2.dims().len() != 1 || l1.dims().last() != Some(&n) || n == 0 {
-            return Err(candle_core::Error::msg(format!(
-                "{OP}: bias {:?} does not match the last dimension of {:?}",
-                l2.dims(),
-                l1.dims()
-            )));
-        }
-        dispatch!(s1, |ys: T| {
-            let y = slice(ys, l1, "y")?;
-            let b = slice(typed::<T>(s2, "the bias")?, l2, "the bias")?;
-            let mut out = Vec::with_capacity(y.len());
-            for row in y.chunks_exact(n) {
-                out.extend(row.iter().zip(b).map(|(&v, &c)| v + c));
-            }
-            Ok((T::storage(out), l1.shape().clone()))
-        })
-    }
-
-    fn bwd(
-        &self,
-        _y: &Tensor,
-        b: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let n = b.elem_count();
-        let g = cpu_of(&grad.to_dtype(b.dtype())?)?;
-        let (sg, lg) = g.storage_and_layout();
-        let Storage::Cpu(sg) = &*sg else {
-            return Err(candle_core::Error::msg(format!(
-                "{OP}: a CPU op got a device tensor"
-            )));
-        };
-        let db = dispatch!(sg, |gs: T| {
-            let gv = slice(gs, lg, "the output gradient")?;
-            Tensor::from_vec(column_sums::<T>(gv, n), n, b.device())
-        })?;
-        Ok((Some(grad.clone()), Some(db)))
-    }
-}
+mod bias;
+pub(crate) use bias::add_bias_cpu;
+use bias::column_sums;
 
 #[cfg(test)]
 mod tests {

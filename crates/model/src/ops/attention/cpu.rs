@@ -595,78 +595,65 @@ fn simd_tile<F: Float, const MR: usize, const NR: usize>(
 mod kernels {
     use std::arch::x86_64::*;
 
-    /// `acc[r][c] = fma(ap[kk * 8 + r], b[kk * bks + c], acc[r][c])` for `kk` in `0..k`, in
-    /// order; `acc` is 8 x 32.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512F; `acc` must hold 256 values, `ap` `8 k`, and `b` 32 at each
-    /// `kk * bks`.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn tile_8x32(
-        acc: *mut f32,
-        ap: *const f32,
-        b: *const f32,
-        bks: usize,
-        k: usize,
-    ) {
-        // SAFETY: in bounds by the caller's contract
-        unsafe {
-            let mut c = [[_mm512_setzero_ps(); 2]; 8];
-            for (r, cr) in c.iter_mut().enumerate() {
-                cr[0] = _mm512_loadu_ps(acc.add(r * 32));
-                cr[1] = _mm512_loadu_ps(acc.add(r * 32 + 16));
-            }
-            for kk in 0..k {
-                let b0 = _mm512_loadu_ps(b.add(kk * bks));
-                let b1 = _mm512_loadu_ps(b.add(kk * bks + 16));
-                for (r, cr) in c.iter_mut().enumerate() {
-                    let av = _mm512_set1_ps(*ap.add(kk * 8 + r));
-                    cr[0] = _mm512_fmadd_ps(av, b0, cr[0]);
-                    cr[1] = _mm512_fmadd_ps(av, b1, cr[1]);
+    /// One tile kernel: `acc[r][c] = fma(ap[kk * MR + r], b[kk * bks + c], acc[r][c])` for
+    /// `kk` in `0..k`, in order, over an `MR x 2 LANES` tile held in two vectors per row.
+    macro_rules! tile_kernel {
+        ($(#[$doc:meta])* $name:ident, $feat:literal, $mr:literal, $lanes:literal,
+         $zero:ident, $load:ident, $store:ident, $set1:ident, $fma:ident) => {
+            $(#[$doc])*
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn $name(
+                acc: *mut f32,
+                ap: *const f32,
+                b: *const f32,
+                bks: usize,
+                k: usize,
+            ) {
+                const NR: usize = 2 * $lanes;
+                // SAFETY: in bounds by the caller's contract
+                unsafe {
+                    let mut c = [[$zero(); 2]; $mr];
+                    for (r, cr) in c.iter_mut().enumerate() {
+                        cr[0] = $load(acc.add(r * NR));
+                        cr[1] = $load(acc.add(r * NR + $lanes));
+                    }
+                    for kk in 0..k {
+                        let b0 = $load(b.add(kk * bks));
+                        let b1 = $load(b.add(kk * bks + $lanes));
+                        for (r, cr) in c.iter_mut().enumerate() {
+                            let av = $set1(*ap.add(kk * $mr + r));
+                            cr[0] = $fma(av, b0, cr[0]);
+                            cr[1] = $fma(av, b1, cr[1]);
+                        }
+                    }
+                    for (r, cr) in c.iter().enumerate() {
+                        $store(acc.add(r * NR), cr[0]);
+                        $store(acc.add(r * NR + $lanes), cr[1]);
+                    }
                 }
             }
-            for (r, cr) in c.iter().enumerate() {
-                _mm512_storeu_ps(acc.add(r * 32), cr[0]);
-                _mm512_storeu_ps(acc.add(r * 32 + 16), cr[1]);
-            }
-        }
+        };
     }
 
-    /// As [`tile_8x32`] for a 4 x 16 tile (`ap` holds `4 k`, `b` 16 at each `kk * bks`).
-    ///
-    /// # Safety
-    /// The CPU must have AVX2 and FMA; `acc` must hold 64 values, `ap` `4 k`, and `b` 16 at
-    /// each `kk * bks`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile_4x16(
-        acc: *mut f32,
-        ap: *const f32,
-        b: *const f32,
-        bks: usize,
-        k: usize,
-    ) {
-        // SAFETY: in bounds by the caller's contract
-        unsafe {
-            let mut c = [[_mm256_setzero_ps(); 2]; 4];
-            for (r, cr) in c.iter_mut().enumerate() {
-                cr[0] = _mm256_loadu_ps(acc.add(r * 16));
-                cr[1] = _mm256_loadu_ps(acc.add(r * 16 + 8));
-            }
-            for kk in 0..k {
-                let b0 = _mm256_loadu_ps(b.add(kk * bks));
-                let b1 = _mm256_loadu_ps(b.add(kk * bks + 8));
-                for (r, cr) in c.iter_mut().enumerate() {
-                    let av = _mm256_set1_ps(*ap.add(kk * 4 + r));
-                    cr[0] = _mm256_fmadd_ps(av, b0, cr[0]);
-                    cr[1] = _mm256_fmadd_ps(av, b1, cr[1]);
-                }
-            }
-            for (r, cr) in c.iter().enumerate() {
-                _mm256_storeu_ps(acc.add(r * 16), cr[0]);
-                _mm256_storeu_ps(acc.add(r * 16 + 8), cr[1]);
-            }
-        }
-    }
+    tile_kernel!(
+        /// An 8 x 32 tile.
+        ///
+        /// # Safety
+        /// The CPU must have AVX-512F; `acc` must hold 256 values, `ap` `8 k`, and `b` 32 at
+        /// each `kk * bks`.
+        tile_8x32, "avx512f", 8, 16,
+        _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps
+    );
+
+    tile_kernel!(
+        /// A 4 x 16 tile.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2 and FMA; `acc` must hold 64 values, `ap` `4 k`, and `b` 16 at
+        /// each `kk * bks`.
+        tile_4x16, "avx2,fma", 4, 8,
+        _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps
+    );
 }
 
 /// `a * b + c`, fused when `FMA`.

@@ -1,0 +1,421 @@
+//! How the operands of one product are packed into panels for the micro-kernels: f32 values,
+//! bf16 bits, or f32 values rounded to bf16 pairs on the way.
+
+#[cfg(target_arch = "x86_64")]
+use super::kernel;
+use super::{has_bf16_dot, DIRECT_B_MAX_STRIDE, MR, NR, PACK_BLOCK};
+use crate::tp::dense::Mat;
+use half::bf16;
+
+/// A bf16 matrix as its bits, with strides.
+#[derive(Clone, Copy)]
+pub(super) struct Bits<'a> {
+    pub(super) data: &'a [u16],
+    pub(super) rs: usize,
+    pub(super) cs: usize,
+}
+
+/// The operands of one product and how they pack.
+pub(super) enum Packing<'a> {
+    /// f32 values, one per reduction unit.
+    F32 { a: Mat<'a, f32>, b: Mat<'a, f32> },
+    /// bf16 pairs along the reduction, one pair per unit.
+    Bf16 { a: Bits<'a>, b: Bits<'a> },
+    /// f32 values rounded to bf16 pairs (nearest even) as they are packed.
+    F32AsBf16 { a: Mat<'a, f32>, b: Mat<'a, f32> },
+}
+
+impl Packing<'_> {
+    /// Reduction units of a length-`k` reduction.
+    pub(super) fn units(&self, k: usize) -> usize {
+        match self {
+            Packing::F32 { .. } => k,
+            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => k.div_ceil(2),
+        }
+    }
+
+    /// Panel `j` of `B` (`k x n`): every unit's 32 columns, zero beyond the edges.
+    pub(super) fn pack_b_panel(&self, k: usize, n: usize, j: usize, panel: &mut [u32]) {
+        let c0 = j * NR;
+        let width = NR.min(n - c0);
+        match self {
+            Packing::F32 { b, .. } => {
+                if b.rs == 1 && b.cs != 1 {
+                    // each column's k run is contiguous: a transpose, in blocks of units whose
+                    // panel rows stay in L1 while every column writes into them
+                    for kk0 in (0..k).step_by(PACK_BLOCK) {
+                        let kn = PACK_BLOCK.min(k - kk0);
+                        let rows = &mut panel[kk0 * NR..(kk0 + kn) * NR];
+                        for c in 0..width {
+                            let col = &b.data[(c0 + c) * b.cs + kk0..][..kn];
+                            for (dst, v) in rows.chunks_exact_mut(NR).zip(col) {
+                                dst[c] = v.to_bits();
+                            }
+                        }
+                    }
+                } else if b.cs == 1 {
+                    for kk in 0..k {
+                        let src = &b.data[kk * b.rs + c0..][..width];
+                        for (d, v) in panel[kk * NR..kk * NR + width].iter_mut().zip(src) {
+                            *d = v.to_bits();
+                        }
+                    }
+                } else {
+                    for kk in 0..k {
+                        let dst = &mut panel[kk * NR..kk * NR + width];
+                        for (c, d) in dst.iter_mut().enumerate() {
+                            *d = b.data[kk * b.rs + (c0 + c) * b.cs].to_bits();
+                        }
+                    }
+                }
+            }
+            Packing::Bf16 { b, .. } => {
+                let full = k / 2;
+                let at = |r: usize, c: usize| u32::from(b.data[r * b.rs + c * b.cs]);
+                if b.rs == 1 && b.cs != 1 {
+                    // each column's k run is contiguous: walk down columns
+                    for c in 0..width {
+                        let col = &b.data[(c0 + c) * b.cs..];
+                        for (q, pair) in col[..2 * full].chunks_exact(2).enumerate() {
+                            panel[q * NR + c] = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
+                        }
+                        if k % 2 == 1 {
+                            panel[full * NR + c] = u32::from(col[k - 1]);
+                        }
+                    }
+                } else {
+                    for q in 0..k.div_ceil(2) {
+                        let dst = &mut panel[q * NR..q * NR + width];
+                        for (c, d) in dst.iter_mut().enumerate() {
+                            let hi = if 2 * q + 1 < k {
+                                at(2 * q + 1, c0 + c)
+                            } else {
+                                0
+                            };
+                            *d = at(2 * q, c0 + c) | (hi << 16);
+                        }
+                    }
+                }
+            }
+            Packing::F32AsBf16 { b, .. } => {
+                let full = k / 2;
+                if width < NR {
+                    panel[..k.div_ceil(2) * NR].fill(0);
+                }
+                if b.cs == 1
+                    && width == NR
+                    && full > 0
+                    && pairs_strided(&b.data[c0..], b.rs, full, NR, panel)
+                {
+                    // two rows of 32 columns at a time: done
+                } else if b.rs == 1 && b.cs != 1 {
+                    // each column's k run is contiguous: its pairs are adjacent values
+                    let mut run = vec![0u32; full];
+                    for c in 0..width {
+                        pairs_along(&b.data[(c0 + c) * b.cs..][..2 * full], &mut run);
+                        for (q, &pair) in run.iter().enumerate() {
+                            panel[q * NR + c] = pair;
+                        }
+                    }
+                } else {
+                    for q in 0..full {
+                        for c in 0..width {
+                            let at = |r: usize| b.data[r * b.rs + (c0 + c) * b.cs];
+                            panel[q * NR + c] = pair_of(at(2 * q), at(2 * q + 1));
+                        }
+                    }
+                }
+                if k % 2 == 1 {
+                    for c in 0..width {
+                        let v = b.data[(k - 1) * b.rs + (c0 + c) * b.cs];
+                        panel[full * NR + c] = pair_of(v, 0.0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rows `r0 .. r0 + MR` of `A` (`m x k`): every unit's 8 rows, zero beyond the edges.
+    pub(super) fn pack_a_panel(&self, m: usize, k: usize, r0: usize, out: &mut [u32]) {
+        let units = self.units(k);
+        let rows = MR.min(m - r0);
+        if rows < MR {
+            out[..units * MR].fill(0);
+        }
+        match self {
+            Packing::F32 { a, .. } => {
+                if a.cs == 1 {
+                    for r in 0..rows {
+                        let row = &a.data[(r0 + r) * a.rs..][..k];
+                        for (kk, v) in row.iter().enumerate() {
+                            out[kk * MR + r] = v.to_bits();
+                        }
+                    }
+                } else {
+                    for kk in 0..k {
+                        let dst = &mut out[kk * MR..kk * MR + rows];
+                        for (r, d) in dst.iter_mut().enumerate() {
+                            *d = a.data[(r0 + r) * a.rs + kk * a.cs].to_bits();
+                        }
+                    }
+                }
+            }
+            Packing::Bf16 { a, .. } => {
+                let full = k / 2;
+                let at = |r: usize, c: usize| u32::from(a.data[r * a.rs + c * a.cs]);
+                if a.cs == 1 {
+                    for r in 0..rows {
+                        let row = &a.data[(r0 + r) * a.rs..];
+                        for (q, pair) in row[..2 * full].chunks_exact(2).enumerate() {
+                            out[q * MR + r] = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
+                        }
+                        if k % 2 == 1 {
+                            out[full * MR + r] = u32::from(row[k - 1]);
+                        }
+                    }
+                } else {
+                    for q in 0..units {
+                        let dst = &mut out[q * MR..q * MR + rows];
+                        for (r, d) in dst.iter_mut().enumerate() {
+                            let hi = if 2 * q + 1 < k {
+                                at(r0 + r, 2 * q + 1)
+                            } else {
+                                0
+                            };
+                            *d = at(r0 + r, 2 * q) | (hi << 16);
+                        }
+                    }
+                }
+            }
+            Packing::F32AsBf16 { a, .. } => {
+                let full = k / 2;
+                if a.cs == 1 {
+                    // each row's pairs are adjacent values
+                    let mut run = vec![0u32; full];
+                    for r in 0..rows {
+                        pairs_along(&a.data[(r0 + r) * a.rs..][..2 * full], &mut run);
+                        for (q, &pair) in run.iter().enumerate() {
+                            out[q * MR + r] = pair;
+                        }
+                    }
+                } else if a.rs == 1
+                    && rows == MR
+                    && full > 0
+                    && pairs_strided(&a.data[r0..], a.cs, full, MR, out)
+                {
+                    // the 8 rows of a unit's two values are adjacent: done
+                } else {
+                    for q in 0..full {
+                        for r in 0..rows {
+                            let at = |c: usize| a.data[(r0 + r) * a.rs + c * a.cs];
+                            out[q * MR + r] = pair_of(at(2 * q), at(2 * q + 1));
+                        }
+                    }
+                }
+                if k % 2 == 1 {
+                    for r in 0..rows {
+                        out[full * MR + r] = pair_of(a.data[(r0 + r) * a.rs + (k - 1) * a.cs], 0.0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// All the row panels of a work item's `rows` rows from `r0` at once, where that reads
+    /// memory better than panel by panel: f32 rounded to bf16 from a transposed `A`, whose
+    /// `rows` values of one reduction index are adjacent. Panel by panel, each read took 32
+    /// bytes of a row that may lie 32 KiB from the next (the vocabulary product's gradient);
+    /// here it takes the item's whole run. `None` where this does not apply.
+    pub(super) fn pack_a_item(&self, k: usize, r0: usize, rows: usize) -> Option<Vec<Vec<u32>>> {
+        let Packing::F32AsBf16 { a, .. } = self else {
+            return None;
+        };
+        let full = k / 2;
+        if a.rs != 1 || a.cs == 1 || rows == 0 || rows % MR != 0 || full == 0 {
+            return None;
+        }
+        let mut run = vec![0u32; full * rows];
+        if !pairs_strided(a.data.get(r0..)?, a.cs, full, rows, &mut run) {
+            return None;
+        }
+        let units = k.div_ceil(2);
+        let mut panels = vec![vec![0u32; units * MR]; rows / MR];
+        for (q, unit) in run.chunks_exact(rows).enumerate() {
+            for (panel, vals) in panels.iter_mut().zip(unit.chunks_exact(MR)) {
+                panel[q * MR..(q + 1) * MR].copy_from_slice(vals);
+            }
+        }
+        if k % 2 == 1 {
+            for (p, panel) in panels.iter_mut().enumerate() {
+                for r in 0..MR {
+                    let v = a.data[r0 + p * MR + r + (k - 1) * a.cs];
+                    panel[full * MR + r] = pair_of(v, 0.0);
+                }
+            }
+        }
+        Some(panels)
+    }
+
+    /// Whether a full panel of `A` can be read in place (no packing): always for f32 (the
+    /// kernel takes both strides), for bf16 when pairs are adjacent (`cs == 1`, `k` even).
+    pub(super) fn a_direct(&self, k: usize) -> bool {
+        match self {
+            Packing::F32 { .. } => true,
+            Packing::Bf16 { a, .. } => a.cs == 1 && k % 2 == 0,
+            Packing::F32AsBf16 { .. } => false,
+        }
+    }
+
+    /// Whether full-width panels of `B` can be read in place: f32 with contiguous rows a short
+    /// stride apart.
+    pub(super) fn b_direct(&self) -> bool {
+        match self {
+            Packing::F32 { b, .. } => b.cs == 1 && b.rs < DIRECT_B_MAX_STRIDE,
+            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => false,
+        }
+    }
+
+    /// The tile `A[r0 .. r0 + MR, units u0 .. u1] B[units u0 .. u1, c0 .. c0 + NR]` with `A`
+    /// from `pa` (packed, `units * MR` elements) or read in place, and `B` from `pb` (a packed
+    /// panel, `units * NR` elements) or read in place, stored into (or, with `add`, added to)
+    /// the `MR x NR` tile of `c` whose rows are `crs` apart. Returns false, computing nothing,
+    /// if an in-place read would leave its slice (which the callers' choices rule out) or the
+    /// tile would leave `c`.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn tile(
+        &self,
+        (u0, u1): (usize, usize),
+        r0: usize,
+        pa: Option<&[u32]>,
+        c0: usize,
+        pb: Option<&[u32]>,
+        units: usize,
+        (c, crs, add): (&mut [f32], usize, bool),
+    ) -> bool {
+        let len = u1 - u0;
+        if len == 0 || crs < NR || (MR - 1) * crs + NR > c.len() {
+            return false;
+        }
+        let dst = kernel::Dst {
+            c: c.as_mut_ptr(),
+            crs,
+            add,
+        };
+        // (pointer, its slice's length from the pointer, row stride, unit stride): the largest
+        // offset a kernel reads is (MR - 1) * row stride + (len - 1) * unit stride (+1 for a
+        // bf16 pair)
+        let fits = |avail: usize, rs: usize, ks: usize, rows: usize, extra: usize| {
+            (rows - 1) * rs + (len - 1) * ks + extra < avail
+        };
+        match self {
+            Packing::F32 { a, b } => {
+                let (ap, aavail, ars, aks): (*const f32, usize, usize, usize) = match pa {
+                    Some(p) => {
+                        let s = &p[u0 * MR..units * MR];
+                        (s.as_ptr() as *const f32, s.len(), 1, MR)
+                    }
+                    None => {
+                        let off = r0 * a.rs + u0 * a.cs;
+                        let Some(s) = a.data.get(off..) else {
+                            return false;
+                        };
+                        (s.as_ptr(), s.len(), a.rs, a.cs)
+                    }
+                };
+                let (bp, bavail, bks): (*const f32, usize, usize) = match pb {
+                    Some(p) => {
+                        let s = &p[u0 * NR..units * NR];
+                        (s.as_ptr() as *const f32, s.len(), NR)
+                    }
+                    None => {
+                        let off = u0 * b.rs + c0;
+                        let Some(s) = b.data.get(off..) else {
+                            return false;
+                        };
+                        (s.as_ptr(), s.len(), b.rs)
+                    }
+                };
+                if !fits(aavail, ars, aks, MR, 0) || !fits(bavail, bks, bks, 1, NR - 1) {
+                    return false;
+                }
+                // SAFETY: the CPU has avx512f (the caller checked); every element the kernel
+                // reads lies inside the slices checked just above, and the tile it writes inside
+                // `c` (checked on entry); u32 and f32 share size and alignment
+                unsafe { kernel::tile_f32(len, ap, ars, aks, bp, bks, dst) };
+                true
+            }
+            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => {
+                let (ap, aavail, ars, aqs): (*const u16, usize, usize, usize) = match (pa, self) {
+                    (Some(p), _) => {
+                        let s = &p[u0 * MR..units * MR];
+                        (s.as_ptr() as *const u16, 2 * s.len(), 2, 2 * MR)
+                    }
+                    (None, Packing::F32AsBf16 { .. } | Packing::F32 { .. }) => return false,
+                    (None, Packing::Bf16 { a, .. }) => {
+                        let off = r0 * a.rs + 2 * u0;
+                        let Some(s) = a.data.get(off..) else {
+                            return false;
+                        };
+                        (s.as_ptr(), s.len(), a.rs, 2)
+                    }
+                };
+                let Some(p) = pb else {
+                    return false;
+                };
+                let bs = &p[u0 * NR..units * NR];
+                if !fits(aavail, ars, aqs, MR, 1) || bs.len() < len * NR {
+                    return false;
+                }
+                // SAFETY: the CPU has avx512f and avx512bf16 (the caller checked); every pair
+                // the kernel reads lies inside the slices checked just above, and the tile it
+                // writes inside `c` (checked on entry)
+                unsafe { kernel::tile_bf16(len, ap, ars, aqs, bs.as_ptr(), dst) };
+                true
+            }
+        }
+    }
+}
+
+/// The bf16 pair `(lo, hi)` (each rounded to nearest even) as one u32, `lo` in the low half.
+fn pair_of(lo: f32, hi: f32) -> u32 {
+    u32::from(bf16::from_f32(lo).to_bits()) | (u32::from(bf16::from_f32(hi).to_bits()) << 16)
+}
+
+/// `out[q] = pair_of(src[2q], src[2q + 1])` for `q < out.len()` (`src` holds `2 out.len()`).
+fn pairs_along(src: &[f32], out: &mut [u32]) {
+    let n = out.len().min(src.len() / 2);
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_bf16_dot() {
+        // SAFETY: the CPU has avx512f and avx512bf16 (checked); the kernel reads `2 n` values
+        // and writes `n` pairs, which the slices hold
+        done = unsafe { kernel::pairs_along(&src[..2 * n], &mut out[..n]) };
+    }
+    for q in done..n {
+        out[q] = pair_of(src[2 * q], src[2 * q + 1]);
+    }
+}
+
+/// `out[q * width + i] = pair_of(src[2q rs + i], src[(2q + 1) rs + i])` for `q < units`,
+/// `i < width`: pairs of rows `rs` apart, `width` values each. Returns false, writing nothing,
+/// where `src` or `out` is too short (the callers then pack element by element).
+fn pairs_strided(src: &[f32], rs: usize, units: usize, width: usize, out: &mut [u32]) -> bool {
+    let reach = (2 * units).saturating_sub(1) * rs + width;
+    if units == 0 || src.len() < reach || out.len() < units * width {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_bf16_dot() && width % 8 == 0 {
+        // SAFETY: the CPU has avx512f and avx512bf16 (checked); every row read lies inside
+        // `src` and every pair written inside `out` (both checked above)
+        unsafe { kernel::pairs_strided(src.as_ptr(), rs, units, width, out.as_mut_ptr()) };
+        return true;
+    }
+    for q in 0..units {
+        for i in 0..width {
+            out[q * width + i] = pair_of(src[2 * q * rs + i], src[(2 * q + 1) * rs + i]);
+        }
+    }
+    true
+}
