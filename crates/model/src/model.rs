@@ -839,14 +839,21 @@ impl Gpt {
     /// takes: the loss path reshapes nothing, since every reshape is a graph node whose
     /// backward fills and adds a logits-sized gradient.
     fn head_rows_local(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
-        let p = &self.source(p);
-        let (b, t, d) = x.dims3()?;
-        let h = self.ln_f.forward_with(x, p)?.reshape((b * t, d))?;
-        let w = p.param("wte")?.to_dtype(h.dtype())?;
+        let (h, w) = self.head_operands(x, p)?;
         Ok(self.in_precision(|| match &self.tp {
             None => kiln_parallel::tp::linear(&h, &w, None),
             Some(c) => tpops::vocab_parallel_logits(&h, &w, c),
         })?)
+    }
+
+    /// What the LM head multiplies: `ln_f(x)` as rows `[b * t, d]`, and `wte` (this rank's
+    /// rows) in their dtype.
+    fn head_operands(&self, x: &Tensor, p: &dyn ParamSource) -> Result<(Tensor, Tensor)> {
+        let p = &self.source(p);
+        let (b, t, d) = x.dims3()?;
+        let h = self.ln_f.forward_with(x, p)?.reshape((b * t, d))?;
+        let w = p.param("wte")?.to_dtype(h.dtype())?;
+        Ok((h, w))
     }
 
     /// `Head`: hidden states `[b, t, d]` and targets `[b, t]` (u32) to the mean cross-entropy
@@ -874,16 +881,27 @@ impl Gpt {
                 got: format!("[{tb}, {tt}]"),
             });
         }
-        let logits = self.head_rows_local(x, p)?;
         let targets = targets.flatten_all()?;
         match &self.tp {
-            None => ops::cross_entropy(&logits, &targets, self.opts.ignore_index),
-            Some(c) => Ok(tpops::vocab_parallel_cross_entropy(
-                &logits,
+            None => ops::cross_entropy(
+                &self.head_rows_local(x, p)?,
                 &targets,
                 self.opts.ignore_index,
-                c,
-            )?),
+            ),
+            // the head and the loss as one graph node (bitwise the two): the logits get no
+            // zero-filled gradient buffer to be added into
+            Some(c) => {
+                let (h, w) = self.head_operands(x, p)?;
+                Ok(self.in_precision(|| {
+                    tpops::vocab_parallel_linear_cross_entropy(
+                        &h,
+                        &w,
+                        &targets,
+                        self.opts.ignore_index,
+                        c,
+                    )
+                })?)
+            }
         }
     }
 

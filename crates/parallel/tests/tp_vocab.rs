@@ -11,8 +11,9 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use kiln_comm::Communicator;
 use kiln_parallel::tp::{
-    shard_vocab, vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_parallel_logits,
-    TpComm, VocabParallelEmbedding,
+    shard_vocab, vocab_parallel_cross_entropy, vocab_parallel_embedding,
+    vocab_parallel_linear_cross_entropy, vocab_parallel_logits, with_matmul_precision,
+    MatmulPrecision, TpComm, VocabParallelEmbedding,
 };
 use kiln_parallel::ParallelError;
 use kiln_testkit::{assert_bitwise_eq, assert_close, run_ranks, try_run_ranks};
@@ -184,6 +185,83 @@ fn all_ignored_targets_give_zero_loss_and_zero_gradient() {
         assert_eq!(l, 0.0);
         assert!(g.iter().all(|&x| x == 0.0));
     }
+}
+
+/// The bits of every element, whatever the float dtype.
+fn bits(t: &Tensor) -> Vec<u64> {
+    f64s(t).iter().map(|v| v.to_bits()).collect()
+}
+
+/// The fused head and cross-entropy gives bitwise the loss and the gradients of `x` and of
+/// the weight that the two ops give: tp 1 and 2, f32 at both matmul precisions, f64 and bf16,
+/// an ignored target, and a loss scaled before the backward (an incoming gradient of 4).
+#[test]
+fn fused_head_cross_entropy_is_bitwise_the_two_ops() {
+    let (n, v, d) = (TARGETS.len(), 64, 24);
+    let x0 = uniform(&[n, d], 11, 1.0);
+    let w0 = uniform(&[v, d], 12, 1.0);
+    let cases = [
+        (DType::F32, MatmulPrecision::Highest),
+        (DType::F32, MatmulPrecision::Bf16),
+        (DType::F64, MatmulPrecision::Highest),
+        (DType::BF16, MatmulPrecision::Highest),
+    ];
+    for (dtype, precision) in cases {
+        for world in [1, 2] {
+            let outs = run_ranks(world, |comm| {
+                let comm = tp(comm);
+                let targets = Tensor::new(&TARGETS, &Device::Cpu)?;
+                let x = Var::from_tensor(&x0.to_dtype(dtype)?)?;
+                let local = shard_vocab(&w0, comm.world_size(), comm.rank())?;
+                let w = Var::from_tensor(&local.to_dtype(dtype)?)?;
+                let run = |fused: bool| -> kiln_parallel::Result<Vec<Vec<u64>>> {
+                    let l = with_matmul_precision(precision, || {
+                        if fused {
+                            vocab_parallel_linear_cross_entropy(
+                                x.as_tensor(),
+                                w.as_tensor(),
+                                &targets,
+                                Some(5),
+                                &comm,
+                            )
+                        } else {
+                            let logits =
+                                vocab_parallel_logits(x.as_tensor(), w.as_tensor(), &comm)?;
+                            vocab_parallel_cross_entropy(&logits, &targets, Some(5), &comm)
+                        }
+                    })?;
+                    let g = (&l * 4.0)?.backward()?;
+                    Ok(vec![bits(&l), bits(&grad(&g, &x)), bits(&grad(&g, &w))])
+                };
+                Ok((run(true)?, run(false)?))
+            });
+            for (r, (fused, two_ops)) in outs.iter().enumerate() {
+                for (what, (f, t)) in ["loss", "dx", "dw"].iter().zip(fused.iter().zip(two_ops)) {
+                    assert_eq!(f, t, "{what}: {dtype:?} {precision:?} tp {world} rank {r}");
+                }
+            }
+        }
+    }
+}
+
+/// Inputs of the wrong shape are errors naming them, before any product runs.
+#[test]
+fn fused_head_cross_entropy_rejects_bad_shapes() {
+    let comm = tp(kiln_comm::ThreadComm::group(1, Default::default())
+        .unwrap()
+        .remove(0));
+    let w = uniform(&[16, 8], 1, 1.0);
+    let targets = Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap();
+    let wide = uniform(&[3, 9], 2, 1.0);
+    let err = vocab_parallel_linear_cross_entropy(&wide, &w, &targets, None, &comm).unwrap_err();
+    assert!(err.to_string().contains("LM head input"), "{err}");
+    let x = uniform(&[4, 8], 3, 1.0);
+    let err = vocab_parallel_linear_cross_entropy(&x, &w, &targets, None, &comm).unwrap_err();
+    assert!(err.to_string().contains("cross-entropy targets"), "{err}");
+    let x = uniform(&[3, 8], 4, 1.0);
+    let far = Tensor::new(&[1u32, 99, 3], &Device::Cpu).unwrap();
+    let err = vocab_parallel_linear_cross_entropy(&x, &w, &far, None, &comm).unwrap_err();
+    assert!(err.to_string().contains("99 at position 1"), "{err}");
 }
 
 #[test]

@@ -608,7 +608,7 @@ fn cpu_of(t: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 #[allow(clippy::type_complexity)]
-fn bwd_tensors(
+pub(crate) fn bwd_tensors(
     x: &Tensor,
     w: &Tensor,
     grad: &Tensor,

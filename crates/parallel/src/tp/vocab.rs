@@ -20,6 +20,9 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+mod head;
+pub use head::vocab_parallel_linear_cross_entropy;
+
 /// The ids `wte_local` covers on this rank, and the whole vocabulary.
 fn local_range(wte_local: &Tensor, comm: &TpComm) -> Result<(Range<usize>, usize)> {
     let (rows, _) = wte_local.dims2()?;
@@ -436,6 +439,18 @@ pub fn vocab_parallel_cross_entropy(
     ignore_index: Option<u32>,
     comm: &TpComm,
 ) -> Result<Tensor> {
+    let (logits, stats) = ce_stats(logits_local, targets, ignore_index, comm)?;
+    Ok(logits.apply_op1(VocabCrossEntropy { stats })?)
+}
+
+/// The checked, contiguous logits and their row statistics reduced over the group: what the
+/// cross-entropy's forward computes and its backward reuses.
+fn ce_stats(
+    logits_local: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+    comm: &TpComm,
+) -> Result<(Tensor, Arc<CeStats>)> {
     let (n, v) = match logits_local.dims() {
         &[n, v] if v > 0 => (n, v),
         dims => {
@@ -484,7 +499,7 @@ pub fn vocab_parallel_cross_entropy(
         target_logit,
         count,
     });
-    Ok(logits.apply_op1(VocabCrossEntropy { stats })?)
+    Ok((logits, stats))
 }
 
 /// `logits_local -> mean loss` from the reduced statistics.
@@ -492,23 +507,33 @@ struct VocabCrossEntropy {
     stats: Arc<CeStats>,
 }
 
-impl VocabCrossEntropy {
+impl CeStats {
     /// The mean loss as a host scalar: f64 for f64 logits, f32 otherwise.
     fn loss(&self, logits: DType) -> CpuStorage {
-        let st = &self.stats;
-        let loss = if st.count == 0 {
+        let loss = if self.count == 0 {
             0.0
         } else {
-            let total: f64 = (0..st.lse.len())
-                .filter(|&r| st.targets.counted(r))
-                .map(|r| st.lse[r] - st.target_logit[r])
+            let total: f64 = (0..self.lse.len())
+                .filter(|&r| self.targets.counted(r))
+                .map(|r| self.lse[r] - self.target_logit[r])
                 .sum();
-            total / st.count as f64
+            total / self.count as f64
         };
         match logits {
             DType::F64 => CpuStorage::F64(vec![loss]),
             _ => CpuStorage::F32(vec![loss as f32]),
         }
+    }
+
+    /// What the logits gradient is multiplied by: the loss's incoming gradient over the
+    /// number of counted rows (0 when none counts).
+    fn grad_scale(&self, grad: &Tensor) -> candle_core::Result<f64> {
+        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        Ok(if self.count == 0 {
+            0.0
+        } else {
+            g / self.count as f64
+        })
     }
 }
 
@@ -518,7 +543,7 @@ impl CustomOp1 for VocabCrossEntropy {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((self.loss(s.dtype()), Shape::from(())))
+        Ok((self.stats.loss(s.dtype()), Shape::from(())))
     }
 
     /// The loss computed on the host from the reduced statistics (the logits are not read
@@ -532,7 +557,7 @@ impl CustomOp1 for VocabCrossEntropy {
         use candle_core::backend::BackendDevice;
         let out = s
             .device()
-            .storage_from_cpu_storage_owned(self.loss(s.dtype()))?;
+            .storage_from_cpu_storage_owned(self.stats.loss(s.dtype()))?;
         Ok((out, Shape::from(())))
     }
 
@@ -542,12 +567,7 @@ impl CustomOp1 for VocabCrossEntropy {
         _loss: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        let scale = if self.stats.count == 0 {
-            0.0
-        } else {
-            g / self.stats.count as f64
-        };
+        let scale = self.stats.grad_scale(grad)?;
         let dx = logits
             .contiguous()?
             .apply_op1_no_bwd(&VocabCrossEntropyBwd {

@@ -1,0 +1,107 @@
+//! The tied LM head and the vocab-parallel cross-entropy as one graph node.
+
+use super::{ce_stats, CeStats, VocabCrossEntropyBwd};
+use crate::error::{ParallelError, Result};
+use crate::tp::dense::{bwd_tensors, linear_cpu, matmul_precision, MatmulPrecision};
+use crate::tp::ops::{copy_to_tp_region, TpComm};
+use crate::tp::vocab::{vocab_parallel_cross_entropy, vocab_parallel_logits};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use std::sync::Arc;
+
+/// [`vocab_parallel_logits`] followed by [`vocab_parallel_cross_entropy`], as one node of the
+/// graph: the mean cross-entropy of the logits `f(x) wte_local^T` against `targets`, with
+/// `x` `[n, d]` (replicated), `wte_local` this rank's rows `[vocab / tp, d]` and `targets`
+/// `[n]` (u32 ids in the whole vocabulary, `ignore_index` left out of the mean).
+///
+/// The loss and the gradients of `x` and `wte_local` are bitwise those of the two ops: the
+/// same product (at this thread's [`matmul_precision`]), the same row statistics reduced
+/// over the group, the same logits gradient and the same two products on it. What goes is
+/// the logits as a node of the graph: there, candle's backward gives them a zero-filled
+/// gradient buffer `[n, vocab / tp]` and adds the cross-entropy's gradient into it before the
+/// head's backward reads it, one fill and one addition of the largest activation of the
+/// model. Here the backward hands the logits gradient straight to the head's products.
+///
+/// CPU tensors with a two-dimensional `x`; anything else (a CUDA tensor) runs the two ops.
+pub fn vocab_parallel_linear_cross_entropy(
+    x: &Tensor,
+    wte_local: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+    comm: &TpComm,
+) -> Result<Tensor> {
+    let (_, d) = wte_local.dims2()?;
+    let n = match x.dims() {
+        &[n, xd] if xd == d => n,
+        dims => {
+            return Err(ParallelError::Param {
+                name: "LM head input".into(),
+                expected: format!("[n, {d}]"),
+                got: format!("{dims:?}"),
+            })
+        }
+    };
+    if !x.device().is_cpu() || !wte_local.device().is_cpu() {
+        let logits = vocab_parallel_logits(x, wte_local, comm)?;
+        return vocab_parallel_cross_entropy(&logits, targets, ignore_index, comm);
+    }
+    if targets.dims() != [n] {
+        return Err(ParallelError::Param {
+            name: "cross-entropy targets".into(),
+            expected: format!("[{n}]"),
+            got: format!("{:?}", targets.dims()),
+        });
+    }
+    // what `vocab_parallel_logits` multiplies: `f(x)` and the weight in x's dtype, contiguous
+    let x = copy_to_tp_region(x, comm)?.contiguous()?;
+    let w = wte_local.to_dtype(x.dtype())?.contiguous()?;
+    let precision = matmul_precision();
+    let logits = linear_cpu(&x.detach(), &w.detach(), None)?;
+    let (logits, stats) = ce_stats(&logits, targets, ignore_index, comm)?;
+    Ok(x.apply_op2(
+        &w,
+        HeadCrossEntropy {
+            stats,
+            logits,
+            precision,
+        },
+    )?)
+}
+
+/// `(x, wte_local) -> mean loss`, holding the forward's logits for the backward.
+struct HeadCrossEntropy {
+    stats: Arc<CeStats>,
+    logits: Tensor,
+    precision: MatmulPrecision,
+}
+
+impl CustomOp2 for HeadCrossEntropy {
+    fn name(&self) -> &'static str {
+        "kiln-tp-vocab-head-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        _l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((self.stats.loss(s1.dtype()), Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _loss: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let dlogits = self.logits.apply_op1_no_bwd(&VocabCrossEntropyBwd {
+            stats: self.stats.clone(),
+            scale: self.stats.grad_scale(grad)?,
+        })?;
+        let (dx, dw, _) = bwd_tensors(x, w, &dlogits, false, self.precision)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
