@@ -25,6 +25,7 @@ use crate::fastmath::has_avx512;
 use crate::tp::dense::Mat;
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
+use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
 /// Row stride (in f32) from which `B` is packed even where its rows could be read in place:
@@ -86,18 +87,36 @@ impl Operand for f32 {
     }
 }
 
-/// An output element: f32, or bf16 rounded once from the f32 sums.
+/// An output element: f32, bf16 rounded once from the f32 sums, or a not yet written f32
+/// (`MaybeUninit<f32>`: a fresh buffer the product fills, never accumulated into).
 pub(crate) trait Output: Copy + Send + Sync + 'static {
     /// Runs `f` on the f32 rows it should accumulate into (`dst` itself for f32, a scratch
-    /// copy for bf16, rounded back afterwards); `f` gets whether the rows hold values to add to.
-    fn through_f32(dst: &mut [Self], accumulate: bool, f: impl FnOnce(&mut [f32], bool));
+    /// copy for bf16, rounded back afterwards); `f` gets whether the rows hold values to add
+    /// to, and writes every element.
+    fn through_f32(
+        dst: &mut [Self],
+        accumulate: bool,
+        f: impl FnOnce(&mut [MaybeUninit<f32>], bool),
+    );
     /// `old + v` (or `v`) in this type.
     fn store(old: Self, v: f32, accumulate: bool) -> Self;
 }
 
+/// `f32` values seen as possibly uninitialised ones: the product only writes f32 values into
+/// them, so they stay initialised.
+fn as_uninit(dst: &mut [f32]) -> &mut [MaybeUninit<f32>] {
+    // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and every write through the result
+    // stores an initialised f32 (nothing de-initialises an element)
+    unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) }
+}
+
 impl Output for f32 {
-    fn through_f32(dst: &mut [Self], accumulate: bool, f: impl FnOnce(&mut [f32], bool)) {
-        f(dst, accumulate)
+    fn through_f32(
+        dst: &mut [Self],
+        accumulate: bool,
+        f: impl FnOnce(&mut [MaybeUninit<f32>], bool),
+    ) {
+        f(as_uninit(dst), accumulate)
     }
     fn store(old: Self, v: f32, accumulate: bool) -> Self {
         if accumulate {
@@ -108,14 +127,32 @@ impl Output for f32 {
     }
 }
 
+impl Output for MaybeUninit<f32> {
+    /// A fresh buffer: there is nothing to add to, whatever `accumulate` says.
+    fn through_f32(
+        dst: &mut [Self],
+        _accumulate: bool,
+        f: impl FnOnce(&mut [MaybeUninit<f32>], bool),
+    ) {
+        f(dst, false)
+    }
+    fn store(_old: Self, v: f32, _accumulate: bool) -> Self {
+        MaybeUninit::new(v)
+    }
+}
+
 impl Output for bf16 {
-    fn through_f32(dst: &mut [Self], accumulate: bool, f: impl FnOnce(&mut [f32], bool)) {
+    fn through_f32(
+        dst: &mut [Self],
+        accumulate: bool,
+        f: impl FnOnce(&mut [MaybeUninit<f32>], bool),
+    ) {
         let mut acc: Vec<f32> = if accumulate {
             dst.iter().map(|v| v.to_f32()).collect()
         } else {
             vec![0f32; dst.len()]
         };
-        f(&mut acc, accumulate);
+        f(as_uninit(&mut acc), accumulate);
         dst.convert_from_f32_slice(&acc);
     }
     fn store(old: Self, v: f32, accumulate: bool) -> Self {
@@ -147,6 +184,42 @@ pub(crate) fn gemm_f32_exact(
         return true;
     }
     let _ = (dst, accumulate, m, n, k, a, b);
+    false
+}
+
+/// `dst = a b` into a fresh buffer of `m * n` elements, which it initialises whole, on the
+/// f32 kernel ([`MatmulPrecision::Highest`](crate::tp::MatmulPrecision)) or the bf16 dot
+/// product of rounded operands ([`MatmulPrecision::Bf16`](crate::tp::MatmulPrecision));
+/// returns false (nothing written) where the CPU lacks the kernel. No zero fill comes first:
+/// a product's output is written once.
+pub(crate) fn gemm_f32_fresh(
+    dst: &mut [MaybeUninit<f32>],
+    bf16_operands: bool,
+    (m, n, k): (usize, usize, usize),
+    a: Mat<'_, f32>,
+    b: Mat<'_, f32>,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let ready = if bf16_operands {
+            has_bf16_dot()
+        } else {
+            has_avx512()
+        };
+        if ready && dst.len() >= m * n {
+            if m > 0 && n > 0 {
+                if k == 0 {
+                    dst[..m * n].fill(MaybeUninit::new(0.0));
+                } else if bf16_operands {
+                    blocked(dst, false, (m, n, k), &Packing::F32AsBf16 { a, b });
+                } else {
+                    blocked(dst, false, (m, n, k), &Packing::F32 { a, b });
+                }
+            }
+            return true;
+        }
+    }
+    let _ = (dst, bf16_operands, m, n, k, a, b);
     false
 }
 
@@ -352,7 +425,7 @@ fn blocked<O: Output>(
                             if direct {
                                 continue;
                             }
-                            let scratch = (tile.as_flattened_mut(), NR, false);
+                            let scratch = (as_uninit(tile.as_flattened_mut()), NR, false);
                             let done = packing.tile(
                                 (u0, u1),
                                 r_first + p * MR,
@@ -375,17 +448,19 @@ fn blocked<O: Output>(
                                     j * NR,
                                     Some(&b2),
                                     units,
-                                    (tile.as_flattened_mut(), NR, false),
+                                    (as_uninit(tile.as_flattened_mut()), NR, false),
                                 );
                             }
                             for (r, trow) in tile.iter().enumerate().take(rows) {
                                 let dr = &mut acc[o + r * n..o + r * n + cols];
-                                if add {
-                                    for (d, &v) in dr.iter_mut().zip(trow) {
-                                        *d += v;
-                                    }
-                                } else {
-                                    dr.copy_from_slice(&trow[..cols]);
+                                for (d, &v) in dr.iter_mut().zip(trow) {
+                                    *d = MaybeUninit::new(if add {
+                                        // SAFETY: with `add` the element holds the caller's
+                                        // value or this item's sum over earlier blocks
+                                        (unsafe { d.assume_init() }) + v
+                                    } else {
+                                        v
+                                    });
                                 }
                             }
                         }
@@ -555,6 +630,39 @@ mod tests {
         }
         if !has_bf16_dot() {
             println!("this CPU has no avx512_bf16: the dot-product kernel was not exercised");
+        }
+    }
+
+    /// A product into a fresh buffer writes every element, bitwise what the product into a
+    /// zeroed buffer gives, for every layout and edge size at both precisions (the buffer
+    /// starts as NaN, so an element left unwritten would show).
+    #[test]
+    fn fresh_products_write_every_element() {
+        for &(m, n, k) in SHAPES.iter().chain(&[(5, 7, 0)]) {
+            let (av, bv) = (rand(m * k, 9), rand(k * n, 10));
+            for (a, b) in layouts(&av, &bv, (m, n, k)) {
+                for bf16_operands in [false, true] {
+                    let mut fresh = vec![MaybeUninit::new(f32::NAN); m * n + 3];
+                    if !gemm_f32_fresh(&mut fresh, bf16_operands, (m, n, k), a, b) {
+                        println!("this CPU lacks the kernel: fresh products were not exercised");
+                        return;
+                    }
+                    let mut zeroed = vec![0f32; m * n];
+                    if bf16_operands {
+                        gemm_f32_bf16(&mut zeroed, false, (m, n, k), a, b);
+                    } else {
+                        assert!(gemm_f32_exact(&mut zeroed, false, (m, n, k), a, b));
+                    }
+                    // SAFETY: the buffer was initialised (to NaN) when it was made
+                    let got: Vec<u32> = fresh
+                        .iter()
+                        .map(|v| unsafe { v.assume_init() }.to_bits())
+                        .collect();
+                    let want: Vec<u32> = zeroed.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got[..m * n], want[..], "{m}x{n}x{k} bf16={bf16_operands}");
+                    assert!(got[m * n..].iter().all(|&v| f32::from_bits(v).is_nan()));
+                }
+            }
         }
     }
 

@@ -340,6 +340,36 @@ pub(crate) trait DenseElem: WithDType + Copy + Send + Sync + 'static {
     ) -> Option<(&'a mut [f32], Mat<'a, f32>, Mat<'a, f32>)> {
         None
     }
+    /// `a b` into a new vector written once, with no zero fill first, where kiln's kernel
+    /// computes this type at `precision` on this CPU (f32 at `Highest` and `Bf16`); `None`
+    /// elsewhere. The operands are checked.
+    fn fresh_product(
+        _mnk: (usize, usize, usize),
+        _a: Mat<'_, Self>,
+        _b: Mat<'_, Self>,
+        _precision: MatmulPrecision,
+    ) -> Option<Vec<Self>> {
+        None
+    }
+}
+
+/// `a b` (`m x k` by `k x n`) as a new row-major vector at `precision`: written once by the
+/// kernel where [`DenseElem::fresh_product`] applies, zero-filled and accumulated into
+/// otherwise.
+fn product<T: DenseElem>(
+    (m, n, k): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    precision: MatmulPrecision,
+) -> candle_core::Result<Vec<T>> {
+    if covers(&a, m, k) && covers(&b, k, n) {
+        if let Some(v) = T::fresh_product((m, n, k), a, b, precision) {
+            return Ok(v);
+        }
+    }
+    let mut out = vec![T::from_f(0.0); m * n];
+    matmul_prec(&mut out, false, (m, n, k), a, b, precision)?;
+    Ok(out)
 }
 
 macro_rules! dense_gemm {
@@ -397,6 +427,26 @@ impl DenseElem for f32 {
     ) -> Option<(&'a mut [f32], Mat<'a, f32>, Mat<'a, f32>)> {
         Some((dst, a, b))
     }
+    fn fresh_product(
+        (m, n, k): (usize, usize, usize),
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        precision: MatmulPrecision,
+    ) -> Option<Vec<Self>> {
+        let bf16_operands = match precision {
+            MatmulPrecision::Highest => false,
+            MatmulPrecision::Bf16 => true,
+            MatmulPrecision::F16 => return None,
+        };
+        let mut out = Vec::with_capacity(m * n);
+        if !cpu_gemm::gemm_f32_fresh(out.spare_capacity_mut(), bf16_operands, (m, n, k), a, b) {
+            return None;
+        }
+        // SAFETY: `gemm_f32_fresh` returned true, so it initialised the first `m * n`
+        // elements, all within the capacity reserved above
+        unsafe { out.set_len(m * n) };
+        Some(out)
+    }
 }
 dense_gemm!(f64, F64, |v: f64| v, |v: f64| v);
 dense_gemm!(f16, F16, |v: f16| v.to_f64(), f16::from_f64);
@@ -431,33 +481,25 @@ fn forward<T: DenseElem>(
     precision: MatmulPrecision,
 ) -> candle_core::Result<Vec<T>> {
     let Dims { rows, inf, outf } = d;
-    let mut y: Vec<T> = match b {
-        Some(b) => {
-            let mut y = Vec::with_capacity(rows * outf);
-            for _ in 0..rows {
-                y.extend_from_slice(b);
-            }
-            y
-        }
-        None => vec![T::from_f(0.0); rows * outf],
+    let xm = Mat {
+        data: x,
+        rs: inf,
+        cs: 1,
     };
-    // y[r, o] += sum_i x[r, i] w[o, i]: the weight read transposed through its strides
-    matmul_prec(
-        &mut y,
-        b.is_some(),
-        (rows, outf, inf),
-        Mat {
-            data: x,
-            rs: inf,
-            cs: 1,
-        },
-        Mat {
-            data: w,
-            rs: 1,
-            cs: inf,
-        },
-        precision,
-    )?;
+    // y[r, o] (+)= sum_i x[r, i] w[o, i]: the weight read transposed through its strides
+    let wt = Mat {
+        data: w,
+        rs: 1,
+        cs: inf,
+    };
+    let Some(b) = b else {
+        return product((rows, outf, inf), xm, wt, precision);
+    };
+    let mut y = Vec::with_capacity(rows * outf);
+    for _ in 0..rows {
+        y.extend_from_slice(b);
+    }
+    matmul_prec(&mut y, true, (rows, outf, inf), xm, wt, precision)?;
     Ok(y)
 }
 
@@ -498,10 +540,7 @@ fn backward<T: DenseElem>(
         rs: outf,
         cs: 1,
     };
-    let mut dx = vec![T::from_f(0.0); rows * inf];
-    matmul_prec(
-        &mut dx,
-        false,
+    let dx = product(
         (rows, inf, outf),
         dyr,
         Mat {
@@ -511,10 +550,7 @@ fn backward<T: DenseElem>(
         },
         precision,
     )?;
-    let mut dw = vec![T::from_f(0.0); outf * inf];
-    matmul_prec(
-        &mut dw,
-        false,
+    let dw = product(
         (outf, inf, rows),
         Mat {
             data: dy,

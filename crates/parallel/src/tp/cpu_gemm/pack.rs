@@ -6,6 +6,7 @@ use super::kernel;
 use super::{has_bf16_dot, DIRECT_B_MAX_STRIDE, MR, NR, PACK_BLOCK};
 use crate::tp::dense::Mat;
 use half::bf16;
+use std::mem::MaybeUninit;
 
 /// A bf16 matrix as its bits, with strides.
 #[derive(Clone, Copy)]
@@ -135,7 +136,8 @@ impl Packing<'_> {
         }
     }
 
-    /// Rows `r0 .. r0 + MR` of `A` (`m x k`): every unit's 8 rows, zero beyond the edges.
+    /// Rows `r0 .. r0 + MR` of `A` (`m x k`): every unit's 8 rows (or every row's units, see
+    /// [`Packing::a_rows_packed`]), zero beyond the edges.
     pub(super) fn pack_a_panel(&self, m: usize, k: usize, r0: usize, out: &mut [u32]) {
         let units = self.units(k);
         let rows = MR.min(m - r0);
@@ -189,15 +191,17 @@ impl Packing<'_> {
             }
             Packing::F32AsBf16 { a, .. } => {
                 let full = k / 2;
-                if a.cs == 1 {
-                    // each row's pairs are adjacent values
-                    let mut run = vec![0u32; full];
-                    for r in 0..rows {
-                        pairs_along(&a.data[(r0 + r) * a.rs..][..2 * full], &mut run);
-                        for (q, &pair) in run.iter().enumerate() {
-                            out[q * MR + r] = pair;
+                if self.a_rows_packed() {
+                    // each row's pairs are adjacent values, rounded straight into the row of
+                    // the panel (rows `units` apart, see `a_rows_packed`)
+                    for (r, dst) in out.chunks_exact_mut(units).take(rows).enumerate() {
+                        let row = &a.data[(r0 + r) * a.rs..][..k];
+                        pairs_along(&row[..2 * full], &mut dst[..full]);
+                        if k % 2 == 1 {
+                            dst[full] = pair_of(row[k - 1], 0.0);
                         }
                     }
+                    return;
                 } else if a.rs == 1
                     && rows == MR
                     && full > 0
@@ -256,6 +260,14 @@ impl Packing<'_> {
         Some(panels)
     }
 
+    /// Whether packed panels of `A` hold their rows one after another (`[MR][units]`, rows
+    /// `units` apart) rather than unit by unit (`[units][MR]`): f32 rows rounded to bf16,
+    /// whose pairs are adjacent values, so each row is rounded in one contiguous run with no
+    /// scatter (the kernel takes any row and unit stride).
+    pub(super) fn a_rows_packed(&self) -> bool {
+        matches!(self, Packing::F32AsBf16 { a, .. } if a.cs == 1)
+    }
+
     /// Whether a full panel of `A` can be read in place (no packing): always for f32 (the
     /// kernel takes both strides), for bf16 when pairs are adjacent (`cs == 1`, `k` even).
     pub(super) fn a_direct(&self, k: usize) -> bool {
@@ -278,7 +290,8 @@ impl Packing<'_> {
     /// The tile `A[r0 .. r0 + MR, units u0 .. u1] B[units u0 .. u1, c0 .. c0 + NR]` with `A`
     /// from `pa` (packed, `units * MR` elements) or read in place, and `B` from `pb` (a packed
     /// panel, `units * NR` elements) or read in place, stored into (or, with `add`, added to)
-    /// the `MR x NR` tile of `c` whose rows are `crs` apart. Returns false, computing nothing,
+    /// the `MR x NR` tile of `c` whose rows are `crs` apart (initialised where `add`). Returns
+    /// false, computing nothing,
     /// if an in-place read would leave its slice (which the callers' choices rule out) or the
     /// tile would leave `c`.
     #[cfg(target_arch = "x86_64")]
@@ -291,14 +304,14 @@ impl Packing<'_> {
         c0: usize,
         pb: Option<&[u32]>,
         units: usize,
-        (c, crs, add): (&mut [f32], usize, bool),
+        (c, crs, add): (&mut [MaybeUninit<f32>], usize, bool),
     ) -> bool {
         let len = u1 - u0;
         if len == 0 || crs < NR || (MR - 1) * crs + NR > c.len() {
             return false;
         }
         let dst = kernel::Dst {
-            c: c.as_mut_ptr(),
+            c: c.as_mut_ptr() as *mut f32,
             crs,
             add,
         };
@@ -347,6 +360,10 @@ impl Packing<'_> {
             }
             Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => {
                 let (ap, aavail, ars, aqs): (*const u16, usize, usize, usize) = match (pa, self) {
+                    (Some(p), _) if self.a_rows_packed() => {
+                        let s = &p[u0..units * MR];
+                        (s.as_ptr() as *const u16, 2 * s.len(), 2 * units, 2)
+                    }
                     (Some(p), _) => {
                         let s = &p[u0 * MR..units * MR];
                         (s.as_ptr() as *const u16, 2 * s.len(), 2, 2 * MR)
