@@ -190,14 +190,7 @@ pub fn tensor_into_slice(t: &Tensor, dst: &mut [f32], accumulate: bool, name: &s
         if let (Storage::Cpu(CpuStorage::F32(data)), Some((start, end))) =
             (&*storage, layout.contiguous_offsets())
         {
-            let src = &data[start..end];
-            if accumulate {
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d += *s;
-                }
-            } else {
-                dst.copy_from_slice(src);
-            }
+            copy_or_add(dst, &data[start..end], accumulate);
             return Ok(());
         }
     }
@@ -213,6 +206,31 @@ pub fn tensor_into_slice(t: &Tensor, dst: &mut [f32], accumulate: bool, name: &s
         dst.copy_from_slice(&v);
     }
     Ok(())
+}
+
+/// `dst = src` (or `dst += src`) of equal-length slices, in blocks on candle's worker pool
+/// when they are long: the flat buffers' copies are a step's largest serial memory passes.
+fn copy_or_add(dst: &mut [f32], src: &[f32], accumulate: bool) {
+    const BLOCK: usize = 1 << 16;
+    let blocks = crate::tp::slots(dst, BLOCK);
+    let run = |i: usize| {
+        if let Some(d) = crate::tp::take(&blocks[i]) {
+            // the callers checked the lengths equal
+            let s = src.get(i * BLOCK..).unwrap_or_default();
+            if accumulate {
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d += *s;
+                }
+            } else {
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = *s;
+                }
+            }
+        }
+    };
+    crate::tp::run_items(blocks.len(), BLOCK, run);
+    // a block no worker took (none, unless the pool failed) is done here
+    (0..blocks.len()).for_each(run);
 }
 
 /// Writes `src` into a variable's storage in place (no new tensor, no reallocation), converting
@@ -236,7 +254,7 @@ impl InplaceOp1 for WriteInPlace<'_> {
             )));
         }
         match storage {
-            CpuStorage::F32(d) => d[start..end].copy_from_slice(self.0),
+            CpuStorage::F32(d) => copy_or_add(&mut d[start..end], self.0, false),
             CpuStorage::F64(d) => {
                 for (d, s) in d[start..end].iter_mut().zip(self.0) {
                     *d = *s as f64;

@@ -455,27 +455,43 @@ fn packed_dims(
 }
 
 /// Head-major parts `[b * heads, t, dh]` each, interleaved into `[b, t, parts, heads, dh]`:
-/// the packed layout of `o` (one part) and of the gradient of `qkv` (three). Written in order,
-/// every element once.
-fn interleave_heads<T: Copy>(
+/// the packed layout of `o` (one part) and of the gradient of `qkv` (three). Tokens in
+/// parallel blocks, every element written once.
+fn interleave_heads<T: Copy + Send + Sync>(
     parts: &[&[T]],
     b: usize,
     t: usize,
     heads: usize,
     dh: usize,
-) -> Vec<T> {
-    let mut out = Vec::with_capacity(parts.len() * b * t * heads * dh);
-    for bi in 0..b {
-        for j in 0..t {
-            for part in parts {
-                for h in 0..heads {
-                    let at = ((bi * heads + h) * t + j) * dh;
-                    out.extend_from_slice(&part[at..at + dh]);
+) -> candle_core::Result<Vec<T>> {
+    let row = parts.len() * heads * dh;
+    let len = b * t * row;
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    crate::kernel::par_rows(
+        &mut out.spare_capacity_mut()[..len],
+        row,
+        row,
+        |r0, rows| {
+            for (r, dst) in rows.chunks_exact_mut(row).enumerate() {
+                let (bi, j) = ((r0 + r) / t, (r0 + r) % t);
+                let mut d = dst.chunks_exact_mut(dh);
+                for part in parts {
+                    for h in 0..heads {
+                        let at = ((bi * heads + h) * t + j) * dh;
+                        if let Some(d) = d.next() {
+                            for (o, &v) in d.iter_mut().zip(&part[at..at + dh]) {
+                                o.write(v);
+                            }
+                        }
+                    }
                 }
             }
-        }
-    }
-    out
+        },
+    )?;
+    // SAFETY: `par_rows` returned Ok, so every block of rows ran, and each wrote all of its
+    // rows' `parts * heads` runs of `dh` values: the first `len` elements, inside the capacity
+    unsafe { out.set_len(len) };
+    Ok(out)
 }
 
 /// The packed forward op: `qkv -> o`, keeping the logsumexp for the backward.
@@ -505,7 +521,7 @@ impl candle_core::CustomOp1 for PackedAttention {
             };
             let (o, lse) = cpu::forward(&qkv, self.scale)?;
             *self.lse.lock().map_err(|_| poisoned())? = Some(Arc::new(lse));
-            let o = interleave_heads(&[&o], b, t, self.heads, dh);
+            let o = interleave_heads(&[&o], b, t, self.heads, dh)?;
             Ok((Elem::into_storage(o), Shape::from((b, t, self.heads * dh))))
         })
     }
@@ -586,7 +602,7 @@ impl candle_core::CustomOp1 for PackedAttentionBwd {
             )?;
             let (dq, rest) = out.split_at(n);
             let (dk, dv) = rest.split_at(n);
-            let d = interleave_heads(&[dq, dk, dv], b, t, heads, dh);
+            let d = interleave_heads(&[dq, dk, dv], b, t, heads, dh)?;
             Ok((Elem::into_storage(d), l.shape().clone()))
         })
     }

@@ -357,14 +357,20 @@ fn blocked<O: Output>(
     // B is packed where it cannot be read in place: every panel, or only a partial last one
     let b_direct = packing.b_direct();
     let first_packed = if b_direct { n / NR } else { 0 };
-    let mut packed_b = vec![0u32; (n_panels - first_packed) * units * NR];
+    // each panel allocated (and zeroed) by the job that packs it, in parallel
+    let mut packed_b: Vec<Vec<u32>> = vec![Vec::new(); n_panels - first_packed];
     {
-        let panels = slots(&mut packed_b, units * NR);
-        run_items(panels.len(), units * NR * 2, |j| {
-            if let Some(panel) = take(&panels[j]) {
-                packing.pack_b_panel(k, n, first_packed + j, panel);
+        let panels = slots(&mut packed_b, 1);
+        let pack = |j: usize| {
+            if let Some([panel]) = take(&panels[j]) {
+                let mut p = vec![0u32; units * NR];
+                packing.pack_b_panel(k, n, first_packed + j, &mut p);
+                *panel = p;
             }
-        });
+        };
+        run_items(panels.len(), units * NR * 2, pack);
+        // a panel no worker took (none, unless the pool failed) is packed here
+        (0..panels.len()).for_each(pack);
     }
     let kc = KC.min(units);
     // column panels per block: the block's B stays in L2 while every row panel of a work
@@ -404,9 +410,7 @@ fn blocked<O: Output>(
                     for (p, pa) in packed_a.iter().enumerate() {
                         let rows = MR.min(item_rows - p * MR);
                         for j in j0..(j0 + block).min(n_panels) {
-                            let pb = (j >= first_packed).then(|| {
-                                &packed_b[(j - first_packed) * units * NR..][..units * NR]
-                            });
+                            let pb = (j >= first_packed).then(|| &packed_b[j - first_packed][..]);
                             let cols = NR.min(n - j * NR);
                             let o = p * MR * n + j * NR;
                             // a whole tile goes straight into the rows; an edge tile through

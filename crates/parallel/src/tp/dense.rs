@@ -495,10 +495,7 @@ fn forward<T: DenseElem>(
     let Some(b) = b else {
         return product((rows, outf, inf), xm, wt, precision);
     };
-    let mut y = Vec::with_capacity(rows * outf);
-    for _ in 0..rows {
-        y.extend_from_slice(b);
-    }
+    let mut y = bias_rows(b, rows);
     matmul_prec(&mut y, true, (rows, outf, inf), xm, wt, precision)?;
     Ok(y)
 }
@@ -739,7 +736,7 @@ impl CustomOp3 for LinearBias {
 
 mod bias;
 pub(crate) use bias::add_bias_cpu;
-use bias::column_sums;
+use bias::{bias_rows, column_sums};
 
 #[cfg(test)]
 mod tests {

@@ -39,6 +39,39 @@ pub(super) fn column_sums<T: DenseElem>(dy: &[T], n: usize) -> Vec<T> {
 /// Columns one task of [`column_sums`] sums.
 const COLUMN_STRIP: usize = 256;
 
+/// `rows` copies of the bias `b`, one after another: the start of a forward's output, which
+/// the product then accumulates onto. Blocks of rows in parallel, every element written once.
+pub(super) fn bias_rows<T: Copy + Send + Sync>(b: &[T], rows: usize) -> Vec<T> {
+    let n = b.len();
+    if n == 0 || rows == 0 {
+        return Vec::new();
+    }
+    let len = rows * n;
+    let mut y: Vec<T> = Vec::with_capacity(len);
+    {
+        let blocks = cpu_gemm::slots(&mut y.spare_capacity_mut()[..len], BIAS_ROWS * n);
+        let fill = |i: usize| {
+            if let Some(dst) = cpu_gemm::take(&blocks[i]) {
+                for row in dst.chunks_exact_mut(n) {
+                    for (d, &v) in row.iter_mut().zip(b) {
+                        d.write(v);
+                    }
+                }
+            }
+        };
+        cpu_gemm::run_items(blocks.len(), BIAS_ROWS * n, fill);
+        // a block no worker took (none, unless the pool failed) is filled here
+        (0..blocks.len()).for_each(fill);
+    }
+    // SAFETY: every block was taken once and filled whole (each a whole number of rows of
+    // `n`), and the blocks cover the first `len` elements, inside the capacity
+    unsafe { y.set_len(len) };
+    y
+}
+
+/// Rows one task of [`bias_rows`] fills.
+const BIAS_ROWS: usize = 64;
+
 /// `y + b` over the last dimension of `y` (`b` `[n]`, both CPU tensors of one float dtype):
 /// one op whose backward passes the gradient on to `y` and sums its columns for `b`, rows in
 /// order, where candle's broadcast add reduces over the leading dimensions with a strided sum
