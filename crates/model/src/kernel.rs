@@ -314,7 +314,24 @@ where
 
 /// A `Vec` of `n` elements to be fully overwritten by a kernel.
 pub(crate) fn output_vec<T: Elem>(n: usize) -> Vec<T> {
-    vec![T::store(<T::F as Float>::ZERO); n]
+    let zero = T::store(<T::F as Float>::ZERO);
+    if n < PAR_MIN_WORK {
+        return vec![zero; n];
+    }
+    // a large buffer is zeroed in parallel blocks: a serial fill held up the worker pool
+    let mut out = Vec::with_capacity(n);
+    let filled = par_rows(&mut out.spare_capacity_mut()[..n], 1, 1, |_, block| {
+        for v in block {
+            v.write(zero);
+        }
+    });
+    if filled.is_err() {
+        return vec![zero; n];
+    }
+    // SAFETY: `par_rows` returned Ok, so every block ran and wrote each of its elements; the
+    // blocks cover the first `n` elements, inside the capacity
+    unsafe { out.set_len(n) };
+    out
 }
 
 #[cfg(test)]

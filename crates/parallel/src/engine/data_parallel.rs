@@ -775,15 +775,16 @@ impl DataParallel {
     }
 
     /// Threads this rank's host-side work over whole buffers (the optimizer, the gradient norm)
-    /// may use: candle's CPU thread count, shared among the ranks of this process when they
-    /// are threads (so that four thread ranks on two cores do not start eight threads each).
+    /// may use: the threads of candle's worker pool, shared among the ranks of this process
+    /// when they are threads (so that four thread ranks on two cores do not start eight
+    /// threads each).
     fn host_threads(&self) -> usize {
         let ranks = if self.comm.backend() == "thread" {
             self.dp_size * self.tp.as_ref().map_or(1, |t| t.world_size())
         } else {
             1
         };
-        (candle_core::utils::get_num_threads() / ranks.max(1)).max(1)
+        (crate::tp::pool_threads() / ranks.max(1)).max(1)
     }
 
     /// The global L2 norm of the gradients from each rank's chunks (the square sums are exact,

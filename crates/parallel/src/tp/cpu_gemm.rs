@@ -50,7 +50,7 @@ const PACK_BLOCK: usize = 64;
 /// An item streams all of `B` through L2 once, so more rows per item read it fewer times
 /// (at n = 8192 and 2048 a product ran 30-40% faster with 8 panels than with 2).
 fn panels_per_item(m: usize) -> usize {
-    let threads = candle_core::utils::get_num_threads().max(1);
+    let threads = pool_threads();
     (m / (MR * 8 * threads)).clamp(2, 8)
 }
 
@@ -331,6 +331,13 @@ pub(crate) fn slots<T>(data: &mut [T], chunk: usize) -> Vec<Mutex<Option<&mut [T
 /// The chunk of a slot, once.
 pub(crate) fn take<'a, T>(slot: &Mutex<Option<&'a mut [T]>>) -> Option<&'a mut [T]> {
     slot.lock().ok().and_then(|mut g| g.take())
+}
+
+/// The threads candle's worker pool runs an op on: its workers and the calling thread.
+/// (`candle_core::utils::get_num_threads` parses `/proc/cpuinfo` on every call, which showed
+/// in profiles when asked once per product.)
+pub(crate) fn pool_threads() -> usize {
+    candle_core::utils::barrier_pool().n_workers() + 1
 }
 
 /// Runs `f(i)` for `i` in `0..n` on candle's worker pool when the work is large enough.

@@ -170,7 +170,9 @@ trait GemmElem: WithDType + Copy + 'static {
 }
 
 fn parallelism() -> gemm::Parallelism {
-    let threads = candle_core::utils::get_num_threads();
+    // asked once: `get_num_threads` parses `/proc/cpuinfo` on every call
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let threads = *THREADS.get_or_init(candle_core::utils::get_num_threads);
     if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
