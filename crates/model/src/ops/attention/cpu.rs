@@ -706,7 +706,9 @@ fn gemm<F: Float, const FMA: bool, const X86: u8, const MR: usize, const NR: usi
                     accr[..cols].copy_from_slice(&c[(i0 + r) * crs + j0..][..cols]);
                 }
             }
-            if cols == NR && simd_tile::<F, MR, NR>(X86, &mut acc, ap, (b, bks), j0, k) {
+            // a partial tile runs whole on the vector kernel where `b` has the columns to read
+            // (the extra ones land in `acc` only): each element's chain is the same
+            if simd_tile::<F, MR, NR>(X86, &mut acc, ap, (b, bks), j0, k) {
                 // done by the vector kernel
             } else if cols == NR {
                 for (kk, apk) in ap.chunks_exact(MR).enumerate() {
@@ -751,14 +753,24 @@ fn widen<T: Elem>(
     }
 }
 
-/// `t` rows of `dh` (`rs` apart) to `[dh, t]`, widened.
+/// `t` rows of `dh` (`rs` apart) to `[dh, t]`, widened: blocks of 16 rows, each output row
+/// written 16 contiguous values at a time (row by row, every value went to its own cache
+/// line: the scalar stores were a quarter of the attention backward's own time).
 #[inline(always)]
 fn transpose<T: Elem>(src: &[T], t: usize, dh: usize, rs: usize, dst: &mut Vec<T::F>) {
+    const BLOCK: usize = 16;
     dst.clear();
     dst.resize(t * dh, <T::F as Float>::ZERO);
-    for j in 0..t {
-        for (d, &x) in row(src, j, rs, dh).iter().enumerate() {
-            dst[d * t + j] = x.load();
+    for j0 in (0..t).step_by(BLOCK) {
+        let jn = BLOCK.min(t - j0);
+        let mut rows: [&[T]; BLOCK] = [&[]; BLOCK];
+        for (i, r) in rows.iter_mut().enumerate().take(jn) {
+            *r = row(src, j0 + i, rs, dh);
+        }
+        for (d, out) in dst.chunks_exact_mut(t).enumerate() {
+            for (o, r) in out[j0..j0 + jn].iter_mut().zip(&rows) {
+                *o = r[d].load();
+            }
         }
     }
 }
