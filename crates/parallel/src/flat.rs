@@ -212,25 +212,19 @@ pub fn tensor_into_slice(t: &Tensor, dst: &mut [f32], accumulate: bool, name: &s
 /// when they are long: the flat buffers' copies are a step's largest serial memory passes.
 fn copy_or_add(dst: &mut [f32], src: &[f32], accumulate: bool) {
     const BLOCK: usize = 1 << 16;
-    let blocks = crate::tp::slots(dst, BLOCK);
-    let run = |i: usize| {
-        if let Some(d) = crate::tp::take(&blocks[i]) {
-            // the callers checked the lengths equal
-            let s = src.get(i * BLOCK..).unwrap_or_default();
-            if accumulate {
-                for (d, s) in d.iter_mut().zip(s) {
-                    *d += *s;
-                }
-            } else {
-                for (d, s) in d.iter_mut().zip(s) {
-                    *d = *s;
-                }
+    crate::tp::for_each_slot(&crate::tp::slots(dst, BLOCK), BLOCK, |i, d| {
+        // the callers checked the lengths equal
+        let s = src.get(i * BLOCK..).unwrap_or_default();
+        if accumulate {
+            for (d, s) in d.iter_mut().zip(s) {
+                *d += *s;
+            }
+        } else {
+            for (d, s) in d.iter_mut().zip(s) {
+                *d = *s;
             }
         }
-    };
-    crate::tp::run_items(blocks.len(), BLOCK, run);
-    // a block no worker took (none, unless the pool failed) is done here
-    (0..blocks.len()).for_each(run);
+    });
 }
 
 /// Writes `src` into a variable's storage in place (no new tensor, no reallocation), converting

@@ -172,19 +172,32 @@ pub(crate) fn gemm_f32_exact(
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if has_avx512() {
-        if m > 0 && n > 0 {
-            if k == 0 {
-                if !accumulate {
-                    dst[..m * n].fill(0.0);
-                }
-            } else {
-                blocked(dst, accumulate, (m, n, k), &Packing::F32 { a, b });
-            }
-        }
+        product(dst, accumulate, (m, n, k), &Packing::F32 { a, b });
         return true;
     }
     let _ = (dst, accumulate, m, n, k, a, b);
     false
+}
+
+/// `dst = a b` (`+=` with `accumulate`) on the blocked kernels, a product of nothing (`k ==
+/// 0`) giving zeros.
+#[cfg(target_arch = "x86_64")]
+fn product<O: Output>(
+    dst: &mut [O],
+    accumulate: bool,
+    (m, n, k): (usize, usize, usize),
+    packing: &Packing<'_>,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k > 0 {
+        blocked(dst, accumulate, (m, n, k), packing);
+    } else if !accumulate {
+        for d in &mut dst[..m * n] {
+            *d = O::store(*d, 0.0, false);
+        }
+    }
 }
 
 /// `dst = a b` into a fresh buffer of `m * n` elements, which it initialises whole, on the
@@ -207,15 +220,12 @@ pub(crate) fn gemm_f32_fresh(
             has_avx512()
         };
         if ready && dst.len() >= m * n {
-            if m > 0 && n > 0 {
-                if k == 0 {
-                    dst[..m * n].fill(MaybeUninit::new(0.0));
-                } else if bf16_operands {
-                    blocked(dst, false, (m, n, k), &Packing::F32AsBf16 { a, b });
-                } else {
-                    blocked(dst, false, (m, n, k), &Packing::F32 { a, b });
-                }
-            }
+            let packing = if bf16_operands {
+                Packing::F32AsBf16 { a, b }
+            } else {
+                Packing::F32 { a, b }
+            };
+            product(dst, false, (m, n, k), &packing);
             return true;
         }
     }
@@ -340,6 +350,23 @@ pub(crate) fn pool_threads() -> usize {
     candle_core::utils::barrier_pool().n_workers() + 1
 }
 
+/// Runs `f(i, chunk)` once for every slot's chunk (slots from [`slots`]), on candle's worker
+/// pool when the work is large; a chunk no worker took (none, unless the pool failed) runs
+/// here afterwards, so every chunk has run when this returns.
+pub(crate) fn for_each_slot<T: Send>(
+    chunks: &[Mutex<Option<&mut [T]>>],
+    work_per_item: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let run = |i: usize| {
+        if let Some(chunk) = take(&chunks[i]) {
+            f(i, chunk);
+        }
+    };
+    run_items(chunks.len(), work_per_item, run);
+    (0..chunks.len()).for_each(run);
+}
+
 /// Runs `f(i)` for `i` in `0..n` on candle's worker pool when the work is large enough.
 pub(crate) fn run_items(n: usize, work_per_item: usize, f: impl Fn(usize) + Sync) {
     if n <= 1 || n * work_per_item < 1 << 16 {
@@ -367,17 +394,11 @@ fn blocked<O: Output>(
     // each panel allocated (and zeroed) by the job that packs it, in parallel
     let mut packed_b: Vec<Vec<u32>> = vec![Vec::new(); n_panels - first_packed];
     {
-        let panels = slots(&mut packed_b, 1);
-        let pack = |j: usize| {
-            if let Some([panel]) = take(&panels[j]) {
-                let mut p = vec![0u32; units * NR];
-                packing.pack_b_panel(k, n, first_packed + j, &mut p);
-                *panel = p;
-            }
-        };
-        run_items(panels.len(), units * NR * 2, pack);
-        // a panel no worker took (none, unless the pool failed) is packed here
-        (0..panels.len()).for_each(pack);
+        for_each_slot(&slots(&mut packed_b, 1), units * NR * 2, |j, panel| {
+            let mut p = vec![0u32; units * NR];
+            packing.pack_b_panel(k, n, first_packed + j, &mut p);
+            panel[0] = p;
+        });
     }
     let kc = KC.min(units);
     // column panels per block: the block's B stays in L2 while every row panel of a work

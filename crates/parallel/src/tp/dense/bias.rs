@@ -50,20 +50,15 @@ pub(super) fn bias_rows<T: Copy + Send + Sync>(b: &[T], rows: usize) -> Vec<T> {
     let mut y: Vec<T> = Vec::with_capacity(len);
     {
         let blocks = cpu_gemm::slots(&mut y.spare_capacity_mut()[..len], BIAS_ROWS * n);
-        let fill = |i: usize| {
-            if let Some(dst) = cpu_gemm::take(&blocks[i]) {
-                for row in dst.chunks_exact_mut(n) {
-                    for (d, &v) in row.iter_mut().zip(b) {
-                        d.write(v);
-                    }
+        cpu_gemm::for_each_slot(&blocks, BIAS_ROWS * n, |_, dst| {
+            for row in dst.chunks_exact_mut(n) {
+                for (d, &v) in row.iter_mut().zip(b) {
+                    d.write(v);
                 }
             }
-        };
-        cpu_gemm::run_items(blocks.len(), BIAS_ROWS * n, fill);
-        // a block no worker took (none, unless the pool failed) is filled here
-        (0..blocks.len()).for_each(fill);
+        });
     }
-    // SAFETY: every block was taken once and filled whole (each a whole number of rows of
+    // SAFETY: every block ran once (`for_each_slot`) and was filled whole (each a whole number of rows of
     // `n`), and the blocks cover the first `len` elements, inside the capacity
     unsafe { y.set_len(len) };
     y
