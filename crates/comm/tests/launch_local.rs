@@ -8,8 +8,12 @@ use kiln_comm::launch::{LaunchEnv, LocalLaunch, TcpStore};
 use std::ffi::OsString;
 use std::time::{Duration, Instant};
 
-/// In a child: what the parent asked for (`KILN_LAUNCH_CHILD`), else `None`.
+/// In a child: what the parent asked for (`KILN_LAUNCH_CHILD`), else `None`. The parent sets
+/// that variable in its own environment before it launches, so the harness's own run of
+/// `child_entry`, in parallel with the launching test, may see it too: only a process the
+/// launcher started also has `RANK`.
 fn child_mode() -> Option<String> {
+    std::env::var_os("RANK")?;
     std::env::var("KILN_LAUNCH_CHILD").ok()
 }
 
