@@ -15,9 +15,9 @@ fn cfg(secs: f64) -> ThreadCommConfig {
 #[test]
 fn a_late_rank_makes_the_others_time_out_naming_it() {
     let t0 = Instant::now();
-    let res = spawn_with(cfg(0.5), 3, |comm| {
+    let res = spawn_with(cfg(1.5), 3, |comm| {
         if comm.rank() == 2 {
-            std::thread::sleep(Duration::from_millis(1500));
+            std::thread::sleep(Duration::from_millis(4000));
             return Ok(());
         }
         let mut v = [1.0f32];
@@ -33,12 +33,18 @@ fn a_late_rank_makes_the_others_time_out_naming_it() {
         }) => {
             assert_eq!(*op, OpKind::AllReduce);
             assert!(*rank == 0 || *rank == 1);
-            assert!(*waited >= Duration::from_millis(500));
-            assert_eq!(missing, &vec![2]);
+            assert!(*waited >= Duration::from_millis(1500));
+            // Rank 2 is always missing. On a loaded machine the other waiting rank's thread may
+            // itself start later than the timeout; it is then truthfully reported missing too.
+            let other = 1 - *rank;
+            assert!(
+                missing == &vec![2] || missing == &vec![other, 2],
+                "{missing:?}"
+            );
         }
         other => panic!("expected a timeout, got {other:?} ({err})"),
     }
-    assert!(err.to_string().contains("ranks [2] never arrived"), "{err}");
+    assert!(err.to_string().contains("2] never arrived"), "{err}");
     // the waiting ranks gave up at the timeout, not when rank 2 finally left
     assert!(t0.elapsed() < Duration::from_secs(60));
 }
