@@ -18,7 +18,7 @@ mod alloc;
 static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
-use kiln_memory::{MemPrecision, MemoryPlan, ShardingStage};
+use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, ShardingStage};
 use kiln_model::{GptConfig, PRESET_NAMES};
 use kiln_train::{run_with, Pretrained, RunConfig, Trainer};
 use kiln_tune::{LoraConfig, LoraTarget};
@@ -250,7 +250,7 @@ fn main() -> Result<()> {
         dp: a.dp as u64,
         tp: tp as u64,
         micro_batch: cfg.train.micro_batch as u64,
-        checkpointing: false,
+        checkpointing: CheckpointPolicy::None,
         bucket_bytes: 25 << 20,
     };
     let est = plan.estimate_frozen(frozen, trainable as u64)?;

@@ -15,7 +15,7 @@ mod alloc;
 #[global_allocator]
 static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
-use kiln_memory::{MemPrecision, MemoryPlan, ShardingStage};
+use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, ShardingStage};
 use kiln_model::GptConfig;
 
 fn gib(bytes: u64) -> String {
@@ -81,12 +81,12 @@ fn main() -> anyhow::Result<()> {
             dp,
             tp,
             micro_batch,
-            checkpointing: true,
+            checkpointing: CheckpointPolicy::EveryBlock,
             bucket_bytes: 25 << 20,
         };
         let e = plan.estimate()?;
         let no_ckpt = MemoryPlan {
-            checkpointing: false,
+            checkpointing: CheckpointPolicy::None,
             ..plan
         }
         .activation_bytes();

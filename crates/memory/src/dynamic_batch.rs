@@ -3,6 +3,8 @@
 
 use crate::error::{MemoryError, Result};
 use crate::estimate::MemoryPlan;
+#[cfg(test)]
+use crate::segment::CheckpointPolicy;
 
 /// Micro-batch size chosen from a memory estimate.
 ///
@@ -13,11 +15,13 @@ use crate::estimate::MemoryPlan;
 /// larger divisor's estimate fits.
 ///
 /// ```
-/// use kiln_memory::{DynamicBatch, MemPrecision, MemoryPlan, ModelShape, ShardingStage};
+/// use kiln_memory::{
+///     CheckpointPolicy, DynamicBatch, MemPrecision, MemoryPlan, ModelShape, ShardingStage,
+/// };
 /// let plan = MemoryPlan {
 ///     shape: ModelShape { n_layers: 4, d_model: 256, n_heads: 4, ctx: 128, vocab: 8192 },
 ///     precision: MemPrecision::F32, stage: ShardingStage::Replicated,
-///     dp: 2, tp: 1, micro_batch: 1, checkpointing: false, bucket_bytes: 25 << 20,
+///     dp: 2, tp: 1, micro_batch: 1, checkpointing: CheckpointPolicy::None, bucket_bytes: 25 << 20,
 /// };
 /// let need8 = MemoryPlan { micro_batch: 8, ..plan }.estimate()?.total();
 /// let db = DynamicBatch::new(plan, 32, need8)?; // 16 sequences per rank per step
@@ -144,7 +148,7 @@ mod tests {
             dp: 2,
             tp: 1,
             micro_batch: 1,
-            checkpointing: false,
+            checkpointing: CheckpointPolicy::None,
             bucket_bytes: 25 << 20,
         }
     }

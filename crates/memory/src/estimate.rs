@@ -16,10 +16,12 @@
 //! (2·a·s²·b / t), where s is the sequence length, b the micro-batch, h the model width, a the
 //! number of heads and t the tensor-parallel degree. Korthikanti et al. (2022) count
 //! 34·s·b·h + 5·a·s²·b bytes for Megatron's block in 16-bit with dropout; kiln's block has no
-//! dropout masks. With activation checkpointing a block keeps only its input (s·b·h) and one
-//! block's activations exist at a time, during its recomputation.
+//! dropout masks. With activation checkpointing a recomputed block keeps only its input (s·b·h),
+//! and one recomputed block's activations exist at a time, during its recomputation; the
+//! blocks a [`CheckpointPolicy`] leaves alone keep all of theirs.
 
 use crate::error::{MemoryError, Result};
+use crate::segment::CheckpointPolicy;
 
 /// The shape of a decoder-only transformer, as far as memory is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -112,8 +114,8 @@ pub struct MemoryPlan {
     pub tp: u64,
     /// Micro-batch size (sequences).
     pub micro_batch: u64,
-    /// Whether blocks recompute their activations.
-    pub checkpointing: bool,
+    /// Which blocks recompute their activations.
+    pub checkpointing: CheckpointPolicy,
     /// Gradient bucket size in bytes (communication buffers; DDP's default is 25 MB).
     pub bucket_bytes: u64,
 }
@@ -287,11 +289,13 @@ impl MemoryPlan {
         let layer_input = c * sq * b * h;
         // embedding output, logits and their gradient (vocab-parallel)
         let ends = c * sq * b * h + 2 * c * sq * b * s.vocab / t;
-        if self.checkpointing {
-            s.n_layers * layer_input + per_layer + ends
-        } else {
-            s.n_layers * per_layer + ends
+        let recomputed = self.checkpointing.recomputed_blocks(s.n_layers);
+        if recomputed == 0 {
+            return s.n_layers * per_layer + ends;
         }
+        // the recomputed blocks' inputs, the other blocks' activations, and one recomputed
+        // block's activations while it runs again
+        recomputed * layer_input + (s.n_layers - recomputed) * per_layer + per_layer + ends
     }
 }
 
@@ -317,7 +321,7 @@ mod tests {
             dp,
             tp: 1,
             micro_batch: 1,
-            checkpointing: true,
+            checkpointing: CheckpointPolicy::EveryBlock,
             bucket_bytes: 25 << 20,
         }
     }
@@ -381,9 +385,20 @@ mod tests {
     fn checkpointing_cuts_activations() {
         let mut p = plan(ShardingStage::Zero1, 8);
         let with = p.activation_bytes();
-        p.checkpointing = false;
+        p.checkpointing = CheckpointPolicy::EveryKth(4);
+        let quarter = p.activation_bytes();
+        p.checkpointing = CheckpointPolicy::None;
         let without = p.activation_bytes();
         assert!(with * 10 < without, "{with} vs {without}");
+        // one block in four recomputed (24 of 96): the other 72 keep all their activations,
+        // the 24 their inputs, plus one block's activations during a recomputation
+        // (with every block: 96 inputs + one block + ends; without: 96 blocks + ends)
+        let s = p.shape;
+        let layer_input = 2 * s.ctx * p.micro_batch * s.d_model;
+        let per_layer = (without - with + 96 * layer_input) / 95;
+        let ends = without - 96 * per_layer;
+        assert_eq!(quarter, 24 * layer_input + 73 * per_layer + ends);
+        assert!(with < quarter && quarter < without);
     }
 
     #[test]

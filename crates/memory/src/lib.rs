@@ -13,11 +13,11 @@
 //!   out-of-memory and headroom reports while the global batch stays constant.
 //!
 //! ```
-//! use kiln_memory::{MemPrecision, MemoryPlan, ModelShape, ShardingStage};
+//! use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, ModelShape, ShardingStage};
 //! let shape = ModelShape { n_layers: 96, d_model: 12288, n_heads: 96, ctx: 2048, vocab: 50257 };
 //! let plan = MemoryPlan {
 //!     shape, precision: MemPrecision::Mixed16, stage: ShardingStage::Zero3,
-//!     dp: 64, tp: 1, micro_batch: 1, checkpointing: true, bucket_bytes: 25 << 20,
+//!     dp: 64, tp: 1, micro_batch: 1, checkpointing: CheckpointPolicy::EveryBlock, bucket_bytes: 25 << 20,
 //! };
 //! let e = plan.estimate()?;
 //! // ZeRO-3: 16 bytes per parameter (2 + 2 + 12) spread over 64 ranks: about 43.6 GB each

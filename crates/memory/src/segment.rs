@@ -266,6 +266,17 @@ impl CheckpointPolicy {
             CheckpointPolicy::EveryKth(k) => k > 0 && block % k == 0,
         }
     }
+
+    /// How many of `n_blocks` transformer blocks recompute their activations: none, all, or
+    /// blocks 0, k, 2k, ... (`ceil(n_blocks / k)`).
+    pub fn recomputed_blocks(self, n_blocks: u64) -> u64 {
+        match self {
+            CheckpointPolicy::None => 0,
+            CheckpointPolicy::EveryBlock => n_blocks,
+            CheckpointPolicy::EveryKth(0) => 0,
+            CheckpointPolicy::EveryKth(k) => n_blocks.div_ceil(k as u64),
+        }
+    }
 }
 
 /// What one forward and backward pass produced.

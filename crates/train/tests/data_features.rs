@@ -272,7 +272,7 @@ fn dynamic_batch_picks_the_micro_batch_and_keeps_the_trajectory() {
             dp: 1,
             tp: 1,
             micro_batch: mb,
-            checkpointing: false,
+            checkpointing: kiln_memory::CheckpointPolicy::None,
             bucket_bytes: cfg.parallel.bucket_bytes() as u64,
         }
         .estimate()

@@ -189,7 +189,7 @@ fn frozen_parameters_never_move_and_hold_no_optimizer_state() {
         dp: 1,
         tp: 1,
         micro_batch: 4,
-        checkpointing: false,
+        checkpointing: CheckpointPolicy::None,
         bucket_bytes: 25 << 20,
     };
     let est = plan.estimate_frozen(frozen, trainable).unwrap();

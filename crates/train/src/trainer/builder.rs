@@ -547,7 +547,7 @@ fn plan_dynamic_batch(cfg: &RunConfig, budget_mib: f64) -> Result<(usize, usize,
         dp: p.dp as u64,
         tp: p.tp as u64,
         micro_batch: 1,
-        checkpointing: cfg.train.activation_checkpointing != kiln_memory::CheckpointPolicy::None,
+        checkpointing: cfg.train.activation_checkpointing,
         bucket_bytes: p.bucket_bytes() as u64,
     };
     let global = (cfg.train.rank_batch() * p.dp) as u64;
