@@ -10,6 +10,13 @@ use std::time::Instant;
 
 /// Trains the `preset` run with the command line's overrides (`--steps 100 --dp 2 ...`).
 pub fn main_for(preset: &str) -> anyhow::Result<()> {
+    if std::env::args().any(|a| a == "--help" || a == "-h") {
+        println!(
+            "usage: {preset} [flags]\n\n{}",
+            RunConfig::args_help(preset)?
+        );
+        return Ok(());
+    }
     let cfg = RunConfig::from_args(preset, std::env::args().skip(1))?;
     cfg.validate()?;
     // thread ranks outnumbering the cores run their ops on their own threads, not queued for

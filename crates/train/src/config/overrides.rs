@@ -212,6 +212,32 @@ impl RunConfig {
     }
 
     /// Builds a configuration from command-line arguments (the program name excluded):
+    /// What [`RunConfig::from_args`] accepts, for a program's `--help`: the flags, their short
+    /// names and the fields they set, and the configuration `preset` starts from (TOML; any
+    /// field of it is a flag as `--section.field value`).
+    ///
+    /// ```
+    /// let help = kiln_train::RunConfig::args_help("tiny")?;
+    /// assert!(help.contains("--steps") && help.contains("train.steps"));
+    /// assert!(help.contains("[train]"));
+    /// # Ok::<(), kiln_train::TrainError>(())
+    /// ```
+    pub fn args_help(preset: &str) -> Result<String> {
+        let mut out = String::from(
+            "flags (--key value or --key=value, applied in order):\n  \
+             --config FILE          load a TOML run configuration instead of the preset\n  \
+             --resume, --no-resume  resume from the newest valid checkpoint, or not\n",
+        );
+        for (short, field) in ALIASES {
+            out.push_str(&format!("  --{short:<20} {field}\n"));
+        }
+        out.push_str(&format!(
+            "  --<section>.<field>    any field below\n\nthe preset {preset:?}:\n{}",
+            RunConfig::preset(preset)?.to_toml_string()?
+        ));
+        Ok(out)
+    }
+
     /// `--config FILE` loads a TOML file instead of `preset`'s configuration, `--resume`
     /// turns resuming on, and every other `--key value` or `--key=value` is an override
     /// ([`RunConfig::apply_overrides`]). Flags apply in order.
