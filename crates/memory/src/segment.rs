@@ -267,15 +267,12 @@ impl CheckpointPolicy {
         }
     }
 
-    /// How many of `n_blocks` transformer blocks recompute their activations: none, all, or
-    /// blocks 0, k, 2k, ... (`ceil(n_blocks / k)`).
+    /// How many of `n_blocks` transformer blocks recompute their activations (the blocks
+    /// [`CheckpointPolicy::recomputes`] picks among the `n_blocks + 2` segments): none, all,
+    /// or blocks 0, k, 2k, ... (`ceil(n_blocks / k)`).
     pub fn recomputed_blocks(self, n_blocks: u64) -> u64 {
-        match self {
-            CheckpointPolicy::None => 0,
-            CheckpointPolicy::EveryBlock => n_blocks,
-            CheckpointPolicy::EveryKth(0) => 0,
-            CheckpointPolicy::EveryKth(k) => n_blocks.div_ceil(k as u64),
-        }
+        let n = n_blocks as usize;
+        (1..=n).filter(|&i| self.recomputes(i, n + 2)).count() as u64
     }
 }
 

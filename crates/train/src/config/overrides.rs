@@ -211,7 +211,6 @@ impl RunConfig {
         Ok(())
     }
 
-    /// Builds a configuration from command-line arguments (the program name excluded):
     /// What [`RunConfig::from_args`] accepts, for a program's `--help`: the flags, their short
     /// names and the fields they set, and the configuration `preset` starts from (TOML; any
     /// field of it is a flag as `--section.field value`).
@@ -238,6 +237,7 @@ impl RunConfig {
         Ok(out)
     }
 
+    /// Builds a configuration from command-line arguments (the program name excluded):
     /// `--config FILE` loads a TOML file instead of `preset`'s configuration, `--resume`
     /// turns resuming on, and every other `--key value` or `--key=value` is an override
     /// ([`RunConfig::apply_overrides`]). Flags apply in order.
