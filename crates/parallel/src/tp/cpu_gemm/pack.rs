@@ -35,10 +35,15 @@ impl Packing<'_> {
         }
     }
 
-    /// Panel `j` of `B` (`k x n`): every unit's 32 columns, zero beyond the edges.
+    /// Panel `j` of `B` (`k x n`): every unit's 32 columns, zero beyond the edges. Writes
+    /// every element of the panel's `units * NR` (a partial panel is zeroed first), so
+    /// `panel` may hold anything.
     pub(super) fn pack_b_panel(&self, k: usize, n: usize, j: usize, panel: &mut [u32]) {
         let c0 = j * NR;
         let width = NR.min(n - c0);
+        if width < NR {
+            panel[..self.units(k) * NR].fill(0);
+        }
         match self {
             Packing::F32 { b, .. } => {
                 if b.rs == 1 && b.cs != 1 {
@@ -100,9 +105,6 @@ impl Packing<'_> {
             }
             Packing::F32AsBf16 { b, .. } => {
                 let full = k / 2;
-                if width < NR {
-                    panel[..k.div_ceil(2) * NR].fill(0);
-                }
                 if b.cs == 1
                     && width == NR
                     && full > 0
@@ -137,7 +139,8 @@ impl Packing<'_> {
     }
 
     /// Rows `r0 .. r0 + MR` of `A` (`m x k`): every unit's 8 rows (or every row's units, see
-    /// [`Packing::a_rows_packed`]), zero beyond the edges.
+    /// [`Packing::a_rows_packed`]), zero beyond the edges. Writes every element of the
+    /// panel's `units * MR` (a partial panel is zeroed first), so `out` may hold anything.
     pub(super) fn pack_a_panel(&self, m: usize, k: usize, r0: usize, out: &mut [u32]) {
         let units = self.units(k);
         let rows = MR.min(m - r0);
@@ -229,35 +232,54 @@ impl Packing<'_> {
     /// memory better than panel by panel: f32 rounded to bf16 from a transposed `A`, whose
     /// `rows` values of one reduction index are adjacent. Panel by panel, each read took 32
     /// bytes of a row that may lie 32 KiB from the next (the vocabulary product's gradient);
-    /// here it takes the item's whole run. `None` where this does not apply.
-    pub(super) fn pack_a_item(&self, k: usize, r0: usize, rows: usize) -> Option<Vec<Vec<u32>>> {
+    /// here it takes the item's whole run (into `run`, grown as needed). Writes the panels
+    /// one after another into `out` (`rows / MR` panels of `units * MR`, every element) and
+    /// returns true; false, writing nothing, where this does not apply.
+    pub(super) fn pack_a_item(
+        &self,
+        k: usize,
+        r0: usize,
+        rows: usize,
+        run: &mut Vec<u32>,
+        out: &mut [u32],
+    ) -> bool {
         let Packing::F32AsBf16 { a, .. } = self else {
-            return None;
+            return false;
         };
         let full = k / 2;
-        if a.rs != 1 || a.cs == 1 || rows == 0 || rows % MR != 0 || full == 0 {
-            return None;
-        }
-        let mut run = vec![0u32; full * rows];
-        if !pairs_strided(a.data.get(r0..)?, a.cs, full, rows, &mut run) {
-            return None;
-        }
         let units = k.div_ceil(2);
-        let mut panels = vec![vec![0u32; units * MR]; rows / MR];
-        for (q, unit) in run.chunks_exact(rows).enumerate() {
-            for (panel, vals) in panels.iter_mut().zip(unit.chunks_exact(MR)) {
-                panel[q * MR..(q + 1) * MR].copy_from_slice(vals);
-            }
+        if a.rs != 1
+            || a.cs == 1
+            || rows == 0
+            || rows % MR != 0
+            || full == 0
+            || out.len() < rows / MR * units * MR
+        {
+            return false;
         }
-        if k % 2 == 1 {
-            for (p, panel) in panels.iter_mut().enumerate() {
+        if run.len() < full * rows {
+            run.resize(full * rows, 0);
+        }
+        let run = &mut run[..full * rows];
+        let Some(src) = a.data.get(r0..) else {
+            return false;
+        };
+        if !pairs_strided(src, a.cs, full, rows, run) {
+            return false;
+        }
+        let panels = out.chunks_exact_mut(units * MR).take(rows / MR);
+        for (p, panel) in panels.enumerate() {
+            for (q, unit) in run.chunks_exact(rows).enumerate() {
+                panel[q * MR..(q + 1) * MR].copy_from_slice(&unit[p * MR..(p + 1) * MR]);
+            }
+            if k % 2 == 1 {
                 for r in 0..MR {
                     let v = a.data[r0 + p * MR + r + (k - 1) * a.cs];
                     panel[full * MR + r] = pair_of(v, 0.0);
                 }
             }
         }
-        Some(panels)
+        true
     }
 
     /// Whether packed panels of `A` hold their rows one after another (`[MR][units]`, rows
