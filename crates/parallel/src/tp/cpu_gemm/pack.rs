@@ -255,7 +255,10 @@ impl Packing<'_> {
         };
         let full = k / 2;
         let units = k.div_ceil(2);
-        if !whole_transposed_panels(a.rs, a.cs, rows)
+        if a.rs != 1
+            || a.cs == 1
+            || rows == 0
+            || rows % MR != 0
             || full == 0
             || out.len() < rows / MR * units * MR
         {
@@ -421,12 +424,6 @@ impl Packing<'_> {
     }
 }
 
-/// Whether an item's `rows` rows of `A` with strides `(rs, cs)` are a transposed matrix's
-/// (a row's values `cs` apart, adjacent rows adjacent) in whole panels.
-fn whole_transposed_panels(rs: usize, cs: usize, rows: usize) -> bool {
-    rs == 1 && cs != 1 && rows > 0 && rows % MR == 0
-}
-
 /// [`Packing::pack_a_item`] for a transposed bf16 `A` (`rs == 1`): each unit's two rows of
 /// the item's `rows` values, read whole and interleaved (`hi` zero past an odd `k`) into
 /// `run`, then copied into the panels, as for f32. Returns false, writing nothing, where `A`
@@ -441,7 +438,10 @@ fn bits_item(
 ) -> bool {
     let (full, units) = (k / 2, k.div_ceil(2));
     let reach = (k.saturating_sub(1)) * a.cs + r0 + rows;
-    if !whole_transposed_panels(a.rs, a.cs, rows)
+    if a.rs != 1
+        || a.cs == 1
+        || rows == 0
+        || rows % MR != 0
         || k == 0
         || a.data.len() < reach
         || out.len() < rows / MR * units * MR
