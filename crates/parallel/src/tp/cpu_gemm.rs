@@ -233,66 +233,6 @@ pub(crate) fn gemm_f32_fresh(
     false
 }
 
-/// `a b` into a new `m x n` vector, `a` bf16 bits (a gradient rounded once where it was
-/// made) and `b` f32 values rounded to bf16 as they are packed, the products summed in f32 on
-/// the dot-product kernel: bitwise [`gemm_f32_fresh`] with bf16 operands of an f32 `a` whose
-/// rounding gives these bits. `None` where the CPU lacks the kernel or the operands do not
-/// cover the product.
-pub(crate) fn bf16_f32_product(
-    (m, n, k): (usize, usize, usize),
-    a: Mat<'_, u16>,
-    b: Mat<'_, f32>,
-) -> Option<Vec<f32>> {
-    let covers = |d: usize, rs: usize, cs: usize, r: usize, c: usize| {
-        r == 0 || c == 0 || (r - 1) * rs + (c - 1) * cs < d
-    };
-    if !has_bf16_dot()
-        || k == 0
-        || !covers(a.data.len(), a.rs, a.cs, m, k)
-        || !covers(b.data.len(), b.rs, b.cs, k, n)
-    {
-        return None;
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        let mut out: Vec<f32> = Vec::with_capacity(m * n);
-        let a = Bits {
-            data: a.data,
-            rs: a.rs,
-            cs: a.cs,
-        };
-        product(
-            &mut out.spare_capacity_mut()[..m * n],
-            false,
-            (m, n, k),
-            &Packing::Bf16F32 { a, b },
-        );
-        // SAFETY: the product wrote every one of the `m * n` elements (k > 0: every tile of
-        // the output is stored by the blocked kernel)
-        unsafe { out.set_len(m * n) };
-        Some(out)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    None
-}
-
-/// `src` rounded to bf16 (nearest even) into `out` as pairs `(src[2q], src[2q + 1])`, on the
-/// conversion the packing of [`crate::tp::MatmulPrecision::Bf16`] products uses (so a product
-/// of the pairs is bitwise one of `src`); false, writing nothing, where the CPU lacks it or
-/// `out` is not 16 pairs at a time (`src` must hold `2 out.len()` values).
-pub(crate) fn round_bf16_pairs(src: &[f32], out: &mut [MaybeUninit<u32>]) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if has_bf16_dot() && src.len() == 2 * out.len() && out.len() % 16 == 0 {
-        // SAFETY: the CPU has avx512f and avx512bf16 (checked); `src` holds `2 len` values
-        // and `out` `len` pairs, which the kernel only writes
-        let done = unsafe { kernel::pairs_along(src, out.as_mut_ptr() as *mut u32, out.len()) };
-        debug_assert_eq!(done, out.len());
-        return true;
-    }
-    let _ = (src, out);
-    false
-}
-
 /// `dst = a b` (`+=` with `accumulate`) for bf16 tensors, one rounding per element.
 pub(crate) fn gemm_bf16(
     dst: &mut [bf16],
@@ -857,58 +797,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// A product of bf16 bits by f32 values is bitwise the bf16-operand product of the f32
-    /// values those bits round from, for every layout and edge size (transposed `A` through
-    /// the whole-item interleave, row-major `A` read in place, odd `k`), and the pairs
-    /// [`round_bf16_pairs`] makes are those bits.
-    #[test]
-    fn bf16_bits_by_f32_is_bitwise_the_rounded_product() {
-        if !has_bf16_dot() {
-            println!("this CPU has no avx512_bf16: the mixed product was not exercised");
-            return;
-        }
-        for &(m, n, k) in SHAPES.iter().chain(&[(64, 40, 96), (128, 24, 33)]) {
-            // values a bf16 holds exactly, so rounding them anywhere gives the same bits
-            let av: Vec<f32> = rand(m * k, 13)
-                .iter()
-                .map(|&v| bf16::from_f32(v * 3.0).to_f32())
-                .collect();
-            let bv = rand(k * n, 14);
-            let abits: Vec<u16> = av.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
-            for (a, b) in layouts(&av, &bv, (m, n, k)) {
-                let mut want = vec![MaybeUninit::new(0f32); m * n];
-                assert!(gemm_f32_fresh(&mut want, true, (m, n, k), a, b));
-                let a16 = Mat {
-                    data: &abits[..],
-                    rs: a.rs,
-                    cs: a.cs,
-                };
-                let got = bf16_f32_product((m, n, k), a16, b).unwrap();
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    // SAFETY: the buffer was initialised (to 0) when it was made
-                    let w = unsafe { w.assume_init() };
-                    assert_eq!(
-                        g.to_bits(),
-                        w.to_bits(),
-                        "{m}x{n}x{k} a {:?} [{i}]",
-                        (a.rs, a.cs)
-                    );
-                }
-            }
-        }
-        let src = rand(64, 15);
-        let mut pairs = vec![MaybeUninit::new(0u32); 32];
-        assert!(round_bf16_pairs(&src, &mut pairs));
-        for (q, p) in pairs.iter().enumerate() {
-            // SAFETY: initialised when made
-            let p = unsafe { p.assume_init() };
-            let lo = bf16::from_f32(src[2 * q]).to_bits();
-            let hi = bf16::from_f32(src[2 * q + 1]).to_bits();
-            assert_eq!(p, u32::from(lo) | (u32::from(hi) << 16));
-        }
-        assert!(!round_bf16_pairs(&src[..62], &mut pairs[..31]));
     }
 
     /// The dot-product kernel and the widened fallback agree to the accumulation order, and

@@ -607,24 +607,6 @@ fn softmax_row_impl<T: Logit>(row: &[T], out: &mut [MaybeUninit<T>], lse: T::A, 
     }
 }
 
-/// Row `r` of the gradient, `scale * (softmax - onehot)` (zero for an ignored target), every
-/// element of `dr` written.
-#[inline]
-fn grad_row<T: Logit>(r: usize, row: &[T], dr: &mut [MaybeUninit<T>], st: &CeStats, scale: f64) {
-    if !st.targets.counted(r) {
-        for o in dr.iter_mut() {
-            o.write(T::zero());
-        }
-        return;
-    }
-    let lse = T::A::from_f64(st.lse[r]);
-    softmax_row(row, dr, lse, T::A::from_f64(scale));
-    if let Some(j) = st.targets.local(r) {
-        let p = (row[j].load() - lse).exp().to_f64();
-        dr[j].write(T::from_f64((p - 1.0) * scale));
-    }
-}
-
 /// `scale * (softmax - onehot)` of `[n, v]` rows, zero rows for ignored targets: rows in
 /// parallel, every element written once (the output is not zero-filled first).
 fn ce_grad<T: Logit>(x: &[T], v: usize, st: &CeStats, scale: f64) -> candle_core::Result<Vec<T>> {
@@ -635,6 +617,7 @@ fn ce_grad<T: Logit>(x: &[T], v: usize, st: &CeStats, scale: f64) -> candle_core
         )));
     }
     let mut out: Vec<T> = Vec::with_capacity(len);
+    let scale_a = T::A::from_f64(scale);
     let ok = par_rows(
         x,
         v,
@@ -642,7 +625,19 @@ fn ce_grad<T: Logit>(x: &[T], v: usize, st: &CeStats, scale: f64) -> candle_core
         v,
         |r0, xs, os| {
             for (r, (row, dr)) in xs.chunks_exact(v).zip(os.chunks_exact_mut(v)).enumerate() {
-                grad_row(r0 + r, row, dr, st, scale);
+                let r = r0 + r;
+                if !st.targets.counted(r) {
+                    for o in dr.iter_mut() {
+                        o.write(T::zero());
+                    }
+                    continue;
+                }
+                let lse = T::A::from_f64(st.lse[r]);
+                softmax_row(row, dr, lse, scale_a);
+                if let Some(j) = st.targets.local(r) {
+                    let p = (row[j].load() - lse).exp().to_f64();
+                    dr[j].write(T::from_f64((p - 1.0) * scale));
+                }
             }
         },
     );

@@ -139,16 +139,14 @@ unsafe fn bf16_lanes(v: __m512) -> __m512i {
     _mm512_cvtepu16_epi32(h)
 }
 
-/// `out[q] = (bf16(src[2q]), bf16(src[2q + 1]))` as u32 pairs for `q < len`, 16 pairs at a
-/// time; returns how many pairs it wrote (the rest are the caller's). It only writes `out`,
-/// which may be uninitialised.
+/// `out[q] = (bf16(src[2q]), bf16(src[2q + 1]))` as u32 pairs, 16 pairs at a time;
+/// returns how many pairs it wrote (the rest are the caller's).
 ///
 /// # Safety
-/// The CPU must have avx512f and avx512bf16; `src` must hold `2 len` values and `out` be
-/// writable for `len` pairs.
+/// The CPU must have avx512f and avx512bf16; `src` must hold `2 out.len()` values.
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub(super) unsafe fn pairs_along(src: &[f32], out: *mut u32, len: usize) -> usize {
-    let n = len.min(src.len() / 2) / 16 * 16;
+pub(super) unsafe fn pairs_along(src: &[f32], out: &mut [u32]) -> usize {
+    let n = out.len().min(src.len() / 2) / 16 * 16;
     let mut q = 0;
     while q < n {
         // SAFETY: 2q + 32 <= src.len() and q + 16 <= out.len()
@@ -157,7 +155,7 @@ pub(super) unsafe fn pairs_along(src: &[f32], out: *mut u32, len: usize) -> usiz
             let v1 = _mm512_loadu_ps(src.as_ptr().add(2 * q + 16));
             // lanes 0..16 from v0, 16..32 from v1: the values in order, read as pairs
             let r = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(v1, v0));
-            _mm512_storeu_si512(out.add(q) as *mut __m512i, r);
+            _mm512_storeu_si512(out.as_mut_ptr().add(q) as *mut __m512i, r);
         }
         q += 16;
     }
@@ -206,53 +204,6 @@ pub(super) unsafe fn pairs_strided(
                 let h = bf16_lanes(_mm512_zextps256_ps512(_mm256_loadu_ps(hi.add(i))));
                 let p = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
                 _mm256_storeu_si256(o.add(i) as *mut __m256i, _mm512_castsi512_si256(p));
-            }
-        }
-    }
-}
-
-/// `out[q * width + i] = (src[2q rs + i], src[(2q + 1) rs + i])` as u32 pairs of bf16 bits,
-/// for `q < units`, `i < width`, 16 (or a last 8) values at a time: [`pairs_strided`] for
-/// values already bf16.
-///
-/// # Safety
-/// The CPU must have avx512f; `width` must be a multiple of 8, `src` hold
-/// `(2 units - 1) rs + width` values and `out` `units * width` pairs.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn bits_strided(
-    src: *const u16,
-    rs: usize,
-    units: usize,
-    width: usize,
-    out: *mut u32,
-) {
-    for q in 0..units {
-        // SAFETY: in bounds by the caller's contract
-        let (lo, hi, o) = unsafe {
-            (
-                src.add(2 * q * rs),
-                src.add((2 * q + 1) * rs),
-                out.add(q * width),
-            )
-        };
-        let mut i = 0;
-        while i + 16 <= width {
-            // SAFETY: i + 16 <= width values of each row and pairs of `o`
-            unsafe {
-                let l = _mm512_cvtepu16_epi32(_mm256_loadu_si256(lo.add(i) as *const __m256i));
-                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(hi.add(i) as *const __m256i));
-                let p = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
-                _mm512_storeu_si512(o.add(i) as *mut __m512i, p);
-            }
-            i += 16;
-        }
-        if i < width {
-            // SAFETY: the last 8 of `width` (a multiple of 8)
-            unsafe {
-                let l = _mm256_cvtepu16_epi32(_mm_loadu_si128(lo.add(i) as *const __m128i));
-                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(hi.add(i) as *const __m128i));
-                let p = _mm256_or_si256(l, _mm256_slli_epi32::<16>(h));
-                _mm256_storeu_si256(o.add(i) as *mut __m256i, p);
             }
         }
     }

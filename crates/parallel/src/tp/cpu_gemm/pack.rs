@@ -24,9 +24,6 @@ pub(super) enum Packing<'a> {
     Bf16 { a: Bits<'a>, b: Bits<'a> },
     /// f32 values rounded to bf16 pairs (nearest even) as they are packed.
     F32AsBf16 { a: Mat<'a, f32>, b: Mat<'a, f32> },
-    /// `A` bf16 pairs as they are, `B` f32 values rounded to bf16 pairs as it is packed: a
-    /// bf16 gradient (rounded once where it was made) times f32 weights or activations.
-    Bf16F32 { a: Bits<'a>, b: Mat<'a, f32> },
 }
 
 impl Packing<'_> {
@@ -34,9 +31,7 @@ impl Packing<'_> {
     pub(super) fn units(&self, k: usize) -> usize {
         match self {
             Packing::F32 { .. } => k,
-            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } | Packing::Bf16F32 { .. } => {
-                k.div_ceil(2)
-            }
+            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => k.div_ceil(2),
         }
     }
 
@@ -108,7 +103,7 @@ impl Packing<'_> {
                     }
                 }
             }
-            Packing::F32AsBf16 { b, .. } | Packing::Bf16F32 { b, .. } => {
+            Packing::F32AsBf16 { b, .. } => {
                 let full = k / 2;
                 if b.cs == 1
                     && width == NR
@@ -170,7 +165,7 @@ impl Packing<'_> {
                     }
                 }
             }
-            Packing::Bf16 { a, .. } | Packing::Bf16F32 { a, .. } => {
+            Packing::Bf16 { a, .. } => {
                 let full = k / 2;
                 let at = |r: usize, c: usize| u32::from(a.data[r * a.rs + c * a.cs]);
                 if a.cs == 1 {
@@ -248,10 +243,8 @@ impl Packing<'_> {
         run: &mut Vec<u32>,
         out: &mut [u32],
     ) -> bool {
-        let a = match self {
-            Packing::F32AsBf16 { a, .. } => a,
-            Packing::Bf16F32 { a, .. } => return bits_item(a, k, r0, rows, run, out),
-            _ => return false,
+        let Packing::F32AsBf16 { a, .. } = self else {
+            return false;
         };
         let full = k / 2;
         let units = k.div_ceil(2);
@@ -304,7 +297,6 @@ impl Packing<'_> {
             Packing::F32 { .. } => true,
             Packing::Bf16 { a, .. } => a.cs == 1 && k % 2 == 0,
             Packing::F32AsBf16 { .. } => false,
-            Packing::Bf16F32 { a, .. } => a.cs == 1 && k % 2 == 0,
         }
     }
 
@@ -313,7 +305,7 @@ impl Packing<'_> {
     pub(super) fn b_direct(&self) -> bool {
         match self {
             Packing::F32 { b, .. } => b.cs == 1 && b.rs < DIRECT_B_MAX_STRIDE,
-            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } | Packing::Bf16F32 { .. } => false,
+            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => false,
         }
     }
 
@@ -388,7 +380,7 @@ impl Packing<'_> {
                 unsafe { kernel::tile_f32(len, ap, ars, aks, bp, bks, dst) };
                 true
             }
-            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } | Packing::Bf16F32 { .. } => {
+            Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => {
                 let (ap, aavail, ars, aqs): (*const u16, usize, usize, usize) = match (pa, self) {
                     (Some(p), _) if self.a_rows_packed() => {
                         let s = &p[u0..units * MR];
@@ -399,7 +391,7 @@ impl Packing<'_> {
                         (s.as_ptr() as *const u16, 2 * s.len(), 2, 2 * MR)
                     }
                     (None, Packing::F32AsBf16 { .. } | Packing::F32 { .. }) => return false,
-                    (None, Packing::Bf16 { a, .. } | Packing::Bf16F32 { a, .. }) => {
+                    (None, Packing::Bf16 { a, .. }) => {
                         let off = r0 * a.rs + 2 * u0;
                         let Some(s) = a.data.get(off..) else {
                             return false;
@@ -424,72 +416,6 @@ impl Packing<'_> {
     }
 }
 
-/// [`Packing::pack_a_item`] for a transposed bf16 `A` (`rs == 1`): each unit's two rows of
-/// the item's `rows` values, read whole and interleaved (`hi` zero past an odd `k`) into
-/// `run`, then copied into the panels, as for f32. Returns false, writing nothing, where `A`
-/// is not transposed or the item is not whole panels.
-fn bits_item(
-    a: &Bits<'_>,
-    k: usize,
-    r0: usize,
-    rows: usize,
-    run: &mut Vec<u32>,
-    out: &mut [u32],
-) -> bool {
-    let (full, units) = (k / 2, k.div_ceil(2));
-    let reach = (k.saturating_sub(1)) * a.cs + r0 + rows;
-    if a.rs != 1
-        || a.cs == 1
-        || rows == 0
-        || rows % MR != 0
-        || k == 0
-        || a.data.len() < reach
-        || out.len() < rows / MR * units * MR
-    {
-        return false;
-    }
-    if run.len() < units * rows {
-        run.resize(units * rows, 0);
-    }
-    let run = &mut run[..units * rows];
-    let src = &a.data[r0..];
-    #[cfg(target_arch = "x86_64")]
-    let vectorised = crate::fastmath::has_avx512() && full > 0;
-    #[cfg(not(target_arch = "x86_64"))]
-    let vectorised = false;
-    if vectorised {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the CPU has avx512f (checked); rows is a multiple of 8; the last value read,
-        // `(2 full - 1) cs + rows - 1` from `src`, lies inside `a.data` (`reach` checked), and
-        // `run` holds `units * rows >= full * rows` pairs
-        unsafe {
-            kernel::bits_strided(src.as_ptr(), a.cs, full, rows, run.as_mut_ptr())
-        };
-    } else {
-        for (q, unit) in run.chunks_exact_mut(rows).take(full).enumerate() {
-            let (lo, hi) = (
-                &src[2 * q * a.cs..][..rows],
-                &src[(2 * q + 1) * a.cs..][..rows],
-            );
-            for ((d, &l), &h) in unit.iter_mut().zip(lo).zip(hi) {
-                *d = u32::from(l) | (u32::from(h) << 16);
-            }
-        }
-    }
-    if k % 2 == 1 {
-        let lo = &src[(k - 1) * a.cs..][..rows];
-        for (d, &l) in run[full * rows..].iter_mut().zip(lo) {
-            *d = u32::from(l);
-        }
-    }
-    for (p, panel) in out.chunks_exact_mut(units * MR).take(rows / MR).enumerate() {
-        for (q, unit) in run.chunks_exact(rows).enumerate() {
-            panel[q * MR..(q + 1) * MR].copy_from_slice(&unit[p * MR..(p + 1) * MR]);
-        }
-    }
-    true
-}
-
 /// The bf16 pair `(lo, hi)` (each rounded to nearest even) as one u32, `lo` in the low half.
 fn pair_of(lo: f32, hi: f32) -> u32 {
     u32::from(bf16::from_f32(lo).to_bits()) | (u32::from(bf16::from_f32(hi).to_bits()) << 16)
@@ -503,7 +429,7 @@ fn pairs_along(src: &[f32], out: &mut [u32]) {
     if has_bf16_dot() {
         // SAFETY: the CPU has avx512f and avx512bf16 (checked); the kernel reads `2 n` values
         // and writes `n` pairs, which the slices hold
-        done = unsafe { kernel::pairs_along(&src[..2 * n], out.as_mut_ptr(), n) };
+        done = unsafe { kernel::pairs_along(&src[..2 * n], &mut out[..n]) };
     }
     for q in done..n {
         out[q] = pair_of(src[2 * q], src[2 * q + 1]);
