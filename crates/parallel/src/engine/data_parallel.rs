@@ -14,6 +14,7 @@ use kiln_precision::{unscale_and_check, LossScaler};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod host;
 #[cfg(feature = "cuda")]
 mod resident;
 
@@ -624,8 +625,9 @@ impl DataParallel {
         // unscale (and average micro-batches), check for inf/NaN on what this rank owns
         let inv = 1.0 / (scale * accum as f32);
         let mut found_inf = false;
+        let threads = self.host_threads();
         for u in 0..self.layout.units().len() {
-            found_inf |= unscale_and_check(self.owned_grads_mut(u), inv);
+            found_inf |= host::unscale_and_check_par(self.owned_grads_mut(u), inv, threads);
         }
         if self.cfg.stage == Stage::Replicated {
             // the rest of the replicated buffer is needed by the optimizer too
@@ -790,9 +792,9 @@ impl DataParallel {
     /// The global L2 norm of the gradients from each rank's chunks (the square sums are exact,
     /// so the result does not depend on the chunking).
     fn global_norm(&self) -> Result<f64> {
-        let mut split = kiln_optim::SquareSum::new();
-        let mut replicated = kiln_optim::SquareSum::new();
-        let threads = self.host_threads();
+        // each parameter's owned values, and whether they are replicated over tp ranks
+        let mut values: Vec<&[f32]> = Vec::new();
+        let mut replicated_at: Vec<bool> = Vec::new();
         for (u, unit) in self.layout.units().iter().enumerate() {
             let c = chunk_range(unit.len, self.dp_size, self.dp_rank);
             let owned = self.owned_grads(u);
@@ -805,18 +807,20 @@ impl DataParallel {
                 if lo >= hi {
                     continue;
                 }
-                let values = &owned[lo - c.start..hi - c.start];
-                // threads only for buffers worth starting them for
-                let part = if values.len() >= kiln_optim::PARALLEL_MIN_LEN {
-                    kiln_optim::SquareSum::of_threads(values, threads)
-                } else {
-                    kiln_optim::SquareSum::of(values)
-                };
-                if self.tp.is_some() && self.splits[p] == TpSplit::Replicated {
-                    replicated.merge(&part);
-                } else {
-                    split.merge(&part);
-                }
+                values.push(&owned[lo - c.start..hi - c.start]);
+                replicated_at.push(self.tp.is_some() && self.splits[p] == TpSplit::Replicated);
+            }
+        }
+        let (mut split, mut replicated) =
+            (kiln_optim::SquareSum::new(), kiln_optim::SquareSum::new());
+        for (part, repl) in host::square_sums(&values, self.host_threads())
+            .iter()
+            .zip(replicated_at)
+        {
+            if repl {
+                replicated.merge(part);
+            } else {
+                split.merge(part);
             }
         }
         split.all_reduce(&*self.comm)?;
