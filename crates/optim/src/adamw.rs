@@ -2,9 +2,10 @@
 
 use crate::error::{check_len, invalid, OptimError, Result};
 use crate::groups::{check_overrides, DecayOverride};
-use crate::optimizer::Optimizer;
+use crate::optimizer::{Optimizer, ParallelRunner};
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 /// AdamW hyperparameters, as f64 like PyTorch's Python floats: every per-step constant is
 /// computed in f64 and rounded once to f32, as PyTorch does. [`Default`] gives PyTorch's
@@ -216,8 +217,23 @@ pub struct AdamW {
     m: Vec<f32>,
     v: Vec<f32>,
     threads: usize,
+    runner: Runner,
     decay_overrides: Vec<DecayOverride>,
 }
+
+/// The pool a step runs on, if any: how the work is spread, not part of the optimizer's value
+/// (equal whatever it holds).
+#[derive(Debug, Clone, Default)]
+struct Runner(Option<Arc<dyn ParallelRunner>>);
+
+impl PartialEq for Runner {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+/// Elements of one job of a step on a [`ParallelRunner`] (a whole number of blocks).
+const RUNNER_PART: usize = 1 << 16;
 
 impl AdamW {
     /// An optimizer for `len` parameters, moments zero, step count 0.
@@ -229,6 +245,7 @@ impl AdamW {
             m: vec![0.0; len],
             v: vec![0.0; len],
             threads: 1,
+            runner: Runner::default(),
             decay_overrides: Vec::new(),
         })
     }
@@ -257,7 +274,15 @@ impl AdamW {
         &self.decay_overrides
     }
 
-    /// Runs the kernel over `range`, split over the configured threads when it is large.
+    /// Splits each step of a buffer of at least [`PARALLEL_MIN_LEN`] elements into jobs on
+    /// `runner` (see [`Optimizer::set_runner`]); it takes the place of
+    /// [`AdamW::set_threads`]' threads while set. The result does not depend on it, bit for bit.
+    pub fn set_runner(&mut self, runner: Option<Arc<dyn ParallelRunner>>) {
+        self.runner = Runner(runner);
+    }
+
+    /// Runs the kernel over `range`, on the runner or split over the configured threads when
+    /// it is large.
     fn update_range(
         &mut self,
         range: Range<usize>,
@@ -268,6 +293,26 @@ impl AdamW {
         let (p, g) = (&mut params[range.clone()], &grads[range.clone()]);
         let (m, v) = (&mut self.m[range.clone()], &mut self.v[range.clone()]);
         let n = p.len();
+        if let (Some(runner), true) = (&self.runner.0, n >= PARALLEL_MIN_LEN) {
+            // jobs of whole blocks, each taking its slices once
+            let jobs: Vec<_> = p
+                .chunks_mut(RUNNER_PART)
+                .zip(g.chunks(RUNNER_PART))
+                .zip(m.chunks_mut(RUNNER_PART))
+                .zip(v.chunks_mut(RUNNER_PART))
+                .map(|job| Mutex::new(Some(job)))
+                .collect();
+            let run = |i: usize| {
+                let job = jobs[i].lock().ok().and_then(|mut j| j.take());
+                if let Some((((p, g), m), v)) = job {
+                    adamw_range(p, g, m, v, c);
+                }
+            };
+            runner.run(jobs.len(), &run);
+            // a job the runner left (none, unless it failed) runs here
+            (0..jobs.len()).for_each(run);
+            return;
+        }
         if self.threads == 1 || n < PARALLEL_MIN_LEN {
             adamw_range(p, g, m, v, c);
             return;
@@ -329,6 +374,10 @@ impl Optimizer for AdamW {
 
     fn set_threads(&mut self, threads: usize) {
         AdamW::set_threads(self, threads);
+    }
+
+    fn set_runner(&mut self, runner: Option<Arc<dyn ParallelRunner>>) {
+        AdamW::set_runner(self, runner);
     }
 
     fn set_decay_overrides(&mut self, overrides: Vec<DecayOverride>) -> Result<()> {

@@ -46,6 +46,6 @@ pub use clip::{
 };
 pub use error::{OptimError, Result};
 pub use groups::{DecayOverride, ParamKind, WeightDecayGroups};
-pub use optimizer::{Optimizer, OptimizerConfig, OptimizerFactory};
+pub use optimizer::{Optimizer, OptimizerConfig, OptimizerFactory, ParallelRunner};
 pub use schedule::{Constant, Decay, DecayShape, LrSchedule, ScheduleConfig, Warmup, WarmupDecay};
 pub use sgd::{Sgd, SgdConfig};

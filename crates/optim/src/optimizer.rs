@@ -6,6 +6,7 @@ use crate::error::{OptimError, Result};
 use crate::groups::DecayOverride;
 use crate::sgd::{Sgd, SgdConfig};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// An optimizer over a flat f32 buffer of a fixed length: the whole parameter buffer, or the
 /// shard of it that this rank owns.
@@ -56,12 +57,28 @@ pub trait Optimizer: Send {
         let _ = threads;
     }
 
+    /// A thread pool the step may split its buffer over instead of starting threads of its
+    /// own ([`Optimizer::set_threads`]); `None` (the default) goes back to those. The values do
+    /// not depend on it. The default ignores it.
+    fn set_runner(&mut self, runner: Option<Arc<dyn ParallelRunner>>) {
+        let _ = runner;
+    }
+
     /// The concrete optimizer, for code that runs a known optimizer on its own kernels
     /// (kiln-parallel's device-resident CUDA step runs [`AdamW`] this way). `None` (the
     /// default): only [`Optimizer::step`] may update it.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }
+}
+
+/// A parallel for over a thread pool the caller owns: runs `job(i)` once for every `i` in
+/// `0..n`, in any order and on any of its threads, and returns when all have run (kiln-parallel
+/// gives candle's worker pool, which is awake right after a backward, where threads started
+/// per step would compete with it for the cores).
+pub trait ParallelRunner: Send + Sync + std::fmt::Debug {
+    /// Runs `job(0) .. job(n - 1)`, all of them before returning.
+    fn run(&self, n: usize, job: &(dyn Fn(usize) + Sync));
 }
 
 /// Builds an optimizer for a buffer of a given length: what a sharded engine calls once per

@@ -389,6 +389,46 @@ fn threads_do_not_change_a_bit() {
     }
 }
 
+/// Runs jobs in reverse order on two scoped threads, counting the jobs it ran.
+#[derive(Debug, Default)]
+struct ReverseRunner(std::sync::atomic::AtomicUsize);
+
+impl kiln_optim::ParallelRunner for ReverseRunner {
+    fn run(&self, n: usize, job: &(dyn Fn(usize) + Sync)) {
+        std::thread::scope(|s| {
+            s.spawn(|| (0..n).rev().step_by(2).for_each(job));
+            s.spawn(|| (0..n).rev().skip(1).step_by(2).for_each(job));
+        });
+        self.0.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// A step on a runner (jobs in any order, on other threads) is bitwise the step on the
+/// caller's thread, and the runner runs it (a large buffer); a small buffer stays on the
+/// caller's thread.
+#[test]
+fn a_runner_does_not_change_a_bit() {
+    let n = PARALLEL_MIN_LEN + 4099;
+    let cfg = AdamWConfig::default();
+    let (one, one_opt) = run_range(cfg, n, 0..n, 3, 1);
+    let runner = std::sync::Arc::new(ReverseRunner::default());
+    let mut p = params0(n);
+    let mut opt = AdamW::new(n, cfg).unwrap();
+    opt.set_runner(Some(runner.clone()));
+    for t in 0..3 {
+        opt.step(&mut p, &grads(t, n), lr_at(t)).unwrap();
+    }
+    assert_bitwise_eq(&p, &one);
+    assert_bitwise_eq(opt.exp_avg(), one_opt.exp_avg());
+    assert_bitwise_eq(opt.exp_avg_sq(), one_opt.exp_avg_sq());
+    let jobs = runner.0.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(jobs, 3 * n.div_ceil(1 << 16));
+    let mut small = AdamW::new(100, cfg).unwrap();
+    small.set_runner(Some(runner.clone()));
+    small.step(&mut [0.5; 100], &[0.1; 100], 0.1).unwrap();
+    assert_eq!(runner.0.load(std::sync::atomic::Ordering::Relaxed), jobs);
+}
+
 #[test]
 fn resume_is_bitwise() {
     let n = 3001;

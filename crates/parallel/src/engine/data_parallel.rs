@@ -681,6 +681,7 @@ impl DataParallel {
             return self.apply_resident(preview, t_opt, norm, lr);
         }
         let mut clipped = false;
+        let threads = self.host_threads();
         if let Some(max_norm) = self.cfg.max_grad_norm {
             for u in 0..self.layout.units().len() {
                 let g: &mut [f32] = if self.cfg.stage.shards_grads() {
@@ -688,7 +689,7 @@ impl DataParallel {
                 } else {
                     &mut self.grads[u]
                 };
-                clipped |= kiln_optim::clip_to_norm(g, norm, max_norm)?.clipped;
+                clipped |= host::clip_to_norm_par(g, norm, max_norm, threads)?;
             }
         }
         // with update norms, each unit's chunk before its step, in one reused buffer
@@ -699,9 +700,11 @@ impl DataParallel {
         };
         let (mut params, mut delta) = (kiln_optim::SquareSum::new(), kiln_optim::SquareSum::new());
         let mut old = std::mem::take(&mut self.scratch);
-        let threads = self.host_threads();
+        let runner: Option<Arc<dyn kiln_optim::ParallelRunner>> =
+            (threads > 1).then(|| Arc::new(host::PoolRunner) as _);
         for u in 0..self.layout.units().len() {
             self.optim[u].set_threads(threads);
+            self.optim[u].set_runner(runner.clone());
             let c = chunk_range(self.layout.units()[u].len, self.dp_size, self.dp_rank);
             let grads: &[f32] = match self.cfg.stage {
                 Stage::Replicated => &self.grads[u],

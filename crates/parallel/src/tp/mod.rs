@@ -54,7 +54,7 @@ mod shard;
 mod staging;
 mod vocab;
 
-pub(crate) use cpu_gemm::{for_each_slot, pool_threads, slots};
+pub(crate) use cpu_gemm::{for_each_slot, pool_threads, run_items, slots};
 pub use dense::{matmul_precision, with_matmul_precision, MatmulPrecision};
 pub use linear::{
     column_parallel_linear, linear, row_parallel_linear, ColumnParallelLinear, RowParallelLinear,

@@ -10,6 +10,16 @@ use kiln_optim::SquareSum;
 use kiln_precision::unscale_and_check;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// The optimizer's step on candle's worker pool ([`kiln_optim::ParallelRunner`]).
+#[derive(Debug)]
+pub(super) struct PoolRunner;
+
+impl kiln_optim::ParallelRunner for PoolRunner {
+    fn run(&self, n: usize, job: &(dyn Fn(usize) + Sync)) {
+        crate::tp::run_items(n, PIECE, job);
+    }
+}
+
 /// Elements of one piece of work (256 KiB of f32).
 const PIECE: usize = 1 << 16;
 
@@ -25,6 +35,28 @@ pub(super) fn unscale_and_check_par(grads: &mut [f32], inv: f32, threads: usize)
         }
     });
     found.into_inner()
+}
+
+/// [`kiln_optim::clip_to_norm`] of `grads`, the scaling in pieces over the pool when
+/// `threads > 1` (each element multiplied by the same coefficient: the same bits).
+pub(super) fn clip_to_norm_par(
+    grads: &mut [f32],
+    norm: f64,
+    max_norm: f32,
+    threads: usize,
+) -> kiln_optim::Result<bool> {
+    if threads <= 1 || grads.len() <= PIECE {
+        return Ok(kiln_optim::clip_to_norm(grads, norm, max_norm)?.clipped);
+    }
+    // the coefficient (and the checks) of the serial function, then its scaling in pieces
+    let report = kiln_optim::clip_to_norm(&mut [], norm, max_norm)?;
+    if report.clipped {
+        let coef = report.coef;
+        for_each_slot(&slots(grads, PIECE), PIECE, |_, piece| {
+            piece.iter_mut().for_each(|g| *g *= coef);
+        });
+    }
+    Ok(report.clipped)
 }
 
 /// The exact square sum of each of `values` (in order), in pieces over the pool when
@@ -86,5 +118,40 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&g), bits(&serial));
         }
+    }
+
+    /// Clipping on the pool gives the serial bits, clipped or not, and the serial errors.
+    #[test]
+    fn clipping_on_the_pool_is_the_serial_clipping() {
+        let g0 = values(3 * PIECE + 9, 6);
+        for (norm, max) in [(50.0, 1.0f32), (0.5, 1.0)] {
+            let (mut serial, mut pooled) = (g0.clone(), g0.clone());
+            let want = kiln_optim::clip_to_norm(&mut serial, norm, max)
+                .unwrap()
+                .clipped;
+            assert_eq!(clip_to_norm_par(&mut pooled, norm, max, 2).unwrap(), want);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&pooled), bits(&serial));
+        }
+        assert!(clip_to_norm_par(&mut g0.clone(), 1.0, -1.0, 2).is_err());
+    }
+
+    /// AdamW's step on the pool is bitwise its step on the calling thread.
+    #[test]
+    fn adamw_on_the_pool_is_bitwise_the_serial_step() {
+        use kiln_optim::{AdamW, AdamWConfig, Optimizer};
+        let n = 5 * PIECE + 17;
+        let cfg = AdamWConfig::default();
+        let (mut serial, mut pooled) = (AdamW::new(n, cfg).unwrap(), AdamW::new(n, cfg).unwrap());
+        pooled.set_runner(Some(std::sync::Arc::new(PoolRunner)));
+        let (mut ps, mut pp) = (values(n, 4), values(n, 4));
+        for t in 0..3 {
+            let g = values(n, 5 + t);
+            serial.step(&mut ps, &g, 0.01).unwrap();
+            pooled.step(&mut pp, &g, 0.01).unwrap();
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&pp), bits(&ps));
+        assert_eq!(bits(pooled.exp_avg_sq()), bits(serial.exp_avg_sq()));
     }
 }
