@@ -36,13 +36,15 @@ pub struct SquareSum {
 
 /// Adds the square of `x`'s significand to the bin of its exponent, without a branch:
 /// `x = mant * 2^(e - 150)` with `mant = 2^23 + frac`, so `x^2 = mant^2 * 2^(2e - 300)` with
-/// `mant^2 < 2^48`. Two bins are wrong and rare, and the caller redoes them: bin 0 (zeros and
-/// subnormals, which have no implicit bit) and bin 255 (inf and NaN).
+/// `mant^2 < 2^48`. Zeros and subnormals (exponent field 0) have no implicit bit: bin 0 gets
+/// `frac^2` (nothing for a zero), a subnormal `frac * 2^(1 - 150)` squared at exponent 1's
+/// scale, which the flush applies to bin 0. Bin 255 (inf and NaN) is junk, and rare: the caller
+/// redoes it.
 #[inline(always)]
 fn bin(lane: &mut [u64; 256], x: f32) {
     let bits = x.to_bits();
     let e = ((bits >> 23) & 0xff) as usize;
-    let mant = ((bits & 0x7f_ffff) | 0x80_0000) as u64;
+    let mant = ((bits & 0x7f_ffff) | (u32::from(e != 0) << 23)) as u64;
     lane[e] += mant * mant;
 }
 
@@ -107,29 +109,30 @@ impl SquareSum {
             for &x in groups.remainder() {
                 bin(&mut bins[0], x);
             }
-            // bins 0 and 255 are junk (see `bin`): redo zeros, subnormals, inf and NaN exactly
-            let special = bins.iter().any(|l| l[0] != 0 || l[255] != 0);
+            // bin 255 is junk (see `bin`): redo inf and NaN exactly. (Zeros, which a block of
+            // gradients often holds, the rows of tokens a batch does not use, once sent every
+            // block through this pass.)
+            let special = bins.iter().any(|l| l[255] != 0);
             for lane in bins.iter_mut() {
-                lane[0] = 0;
                 lane[255] = 0;
             }
             if special {
                 for &x in block {
                     let bits = x.to_bits();
-                    let frac = (bits & 0x7f_ffff) as u64;
-                    match (bits >> 23) & 0xff {
-                        // a subnormal is frac * 2^(1 - 150): exponent 1's scale, no implicit bit
-                        0 => bins[0][1] += frac * frac,
-                        255 if frac != 0 => self.nan = true,
-                        255 => self.inf = true,
-                        _ => {}
+                    if (bits >> 23) & 0xff == 255 {
+                        if bits & 0x7f_ffff != 0 {
+                            self.nan = true;
+                        } else {
+                            self.inf = true;
+                        }
                     }
                 }
             }
             for lane in bins.iter_mut() {
-                for (e, b) in lane.iter_mut().enumerate().skip(1) {
+                for (e, b) in lane.iter_mut().enumerate() {
                     if *b != 0 {
-                        self.add_shifted(*b, 2 * e - 2);
+                        // bin 0 (subnormals) at exponent 1's scale
+                        self.add_shifted(*b, 2 * e.max(1) - 2);
                         *b = 0;
                     }
                 }

@@ -103,6 +103,19 @@ fn square_sum_is_correctly_rounded() {
             "seed {seed} n {n}"
         );
     }
+    // exact zeros of both signs among the values (a gradient's unused embedding rows): they
+    // add nothing, and the subnormals beside them keep their exact squares
+    let mut zeros = wide(6, 40_000);
+    for (i, x) in zeros.iter_mut().enumerate() {
+        if i % 3 == 0 {
+            *x = if i % 2 == 0 { 0.0 } else { -0.0 };
+        }
+    }
+    assert_eq!(
+        SquareSum::of(&zeros).value().to_bits(),
+        ref_sq_sum(&zeros).to_bits()
+    );
+    assert_eq!(SquareSum::of(&[0.0; 100]).value(), 0.0);
     // many of the largest f32: no overflow of the bins or the limbs
     let big = vec![f32::MAX; 70_000];
     assert_eq!(SquareSum::of(&big).value(), ref_sq_sum(&big));
