@@ -113,6 +113,12 @@ impl Packing<'_> {
                     && pairs_strided(&b.data[c0..], b.rs, full, NR, panel)
                 {
                     // two rows of 32 columns at a time: done
+                } else if b.rs == 1
+                    && b.cs != 1
+                    && width == NR
+                    && transposed_bf16_panel(b, full, c0, panel)
+                {
+                    // rounded column by column, transposed in 8 x 8 blocks: done
                 } else if b.rs == 1 && b.cs != 1 {
                     // each column's k run is contiguous: its pairs are adjacent values
                     let mut run = vec![0u32; full];
@@ -419,40 +425,79 @@ impl Packing<'_> {
 }
 
 /// A full panel of a transposed f32 `B` (`rs == 1`: each of the panel's 32 columns is a
-/// contiguous run of `k` values `cs` apart from the next) in 8 x 8 blocks transposed on the
-/// vector unit, the last `k % 8` units value by value. Returns false, writing nothing, where
-/// the CPU lacks AVX2 or the columns leave `b` (the caller then packs value by value; the scalar
-/// transpose's strided stores took 2.4% of a d512 f32 step).
+/// contiguous run of `k` values `cs` apart from the next) through [`panel_from_rows`]. Returns
+/// false, writing nothing, where that does not apply (the caller then packs value by value; the
+/// scalar transpose's strided stores took 2.4% of a d512 f32 step).
 fn transposed_f32_panel(b: &Mat<'_, f32>, k: usize, c0: usize, panel: &mut [u32]) -> bool {
-    if (c0 + NR - 1) * b.cs + k > b.data.len() || panel.len() < k * NR {
+    let Some(cols) = b.data.get(c0 * b.cs..) else {
+        return false;
+    };
+    // SAFETY: f32 and u32 have one size and alignment, and every bit pattern is a u32; the view
+    // lives no longer than `cols`
+    let bits = unsafe { std::slice::from_raw_parts(cols.as_ptr() as *const u32, cols.len()) };
+    panel_from_rows(bits, b.cs, k, panel)
+}
+
+/// `panel[q * NR + c] = rows[c * rs + q]` for the 32 rows `c` and `q < units`: a transpose in
+/// 8 x 8 blocks on the vector unit, the last `units % 8` value by value. Returns false, writing
+/// nothing, where the CPU lacks AVX2 or the rows leave `rows` or the panel is short.
+fn panel_from_rows(rows: &[u32], rs: usize, units: usize, panel: &mut [u32]) -> bool {
+    if (NR - 1) * rs + units > rows.len() || panel.len() < units * NR {
         return false;
     }
     #[cfg(target_arch = "x86_64")]
     if crate::fastmath::has_avx512() {
-        let full = k / 8 * 8;
-        for kk0 in (0..full).step_by(8) {
+        let full = units / 8 * 8;
+        for q0 in (0..full).step_by(8) {
             for c8 in (0..NR).step_by(8) {
-                // SAFETY: the CPU has AVX-512F, so AVX2 (checked); rows `c0 + c8 .. + 8` of
-                // `b`'s columns hold values `kk0 .. kk0 + 8 <= k` (their reach checked above),
-                // and the panel holds rows `kk0 .. kk0 + 8` of 32 (its length checked above)
+                // SAFETY: the CPU has AVX-512F, so AVX2 (checked); rows `c8 .. c8 + 8` hold
+                // units `q0 .. q0 + 8 <= units` (their reach checked above), and the panel
+                // holds rows `q0 .. q0 + 8` of 32 (its length checked above); the kernel only
+                // moves bits
                 unsafe {
                     kernel::transpose_8x8(
-                        b.data.as_ptr().add((c0 + c8) * b.cs + kk0),
-                        b.cs,
-                        panel.as_mut_ptr().add(kk0 * NR + c8),
+                        rows.as_ptr().add(c8 * rs + q0) as *const f32,
+                        rs,
+                        panel.as_mut_ptr().add(q0 * NR + c8),
                         NR,
                     )
                 };
             }
         }
-        for kk in full..k {
+        for q in full..units {
             for c in 0..NR {
-                panel[kk * NR + c] = b.data[(c0 + c) * b.cs + kk].to_bits();
+                panel[q * NR + c] = rows[c * rs + q];
             }
         }
         return true;
     }
+    let _ = rs;
     false
+}
+
+thread_local! {
+    /// A panel's 32 columns rounded to bf16 pairs, before their transpose into the panel.
+    static PAIR_ROWS: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A full panel of a transposed f32 `B` rounded to bf16 pairs: each column's pairs rounded in
+/// one run (its values are adjacent), then the 32 runs transposed by [`panel_from_rows`].
+/// Returns false, writing nothing, where that does not apply. (Each pair went to the panel by
+/// a strided scalar store.)
+fn transposed_bf16_panel(b: &Mat<'_, f32>, full: usize, c0: usize, panel: &mut [u32]) -> bool {
+    if full < 8 || (c0 + NR - 1) * b.cs + 2 * full > b.data.len() {
+        return false;
+    }
+    let mut runs = PAIR_ROWS.take();
+    if runs.len() < NR * full {
+        runs.resize(NR * full, 0);
+    }
+    for (c, run) in runs.chunks_exact_mut(full).take(NR).enumerate() {
+        pairs_along(&b.data[(c0 + c) * b.cs..][..2 * full], run);
+    }
+    let done = panel_from_rows(&runs[..NR * full], full, full, panel);
+    PAIR_ROWS.set(runs);
+    done
 }
 
 /// The bf16 pair `(lo, hi)` (each rounded to nearest even) as one u32, `lo` in the low half.
