@@ -23,13 +23,20 @@ impl kiln_optim::ParallelRunner for PoolRunner {
 /// Elements of one piece of work (256 KiB of f32).
 const PIECE: usize = 1 << 16;
 
+/// Runs `f` on `values` whole when `threads <= 1` or it is one piece, else on each piece of
+/// it over the pool.
+fn in_pieces(values: &mut [f32], threads: usize, f: impl Fn(&mut [f32]) + Sync) {
+    if threads <= 1 || values.len() <= PIECE {
+        f(values);
+    } else {
+        for_each_slot(&slots(values, PIECE), PIECE, |_, piece| f(piece));
+    }
+}
+
 /// [`unscale_and_check`] of `grads`, in pieces over the pool when `threads > 1`.
 pub(super) fn unscale_and_check_par(grads: &mut [f32], inv: f32, threads: usize) -> bool {
-    if threads <= 1 || grads.len() <= PIECE {
-        return unscale_and_check(grads, inv);
-    }
     let found = AtomicBool::new(false);
-    for_each_slot(&slots(grads, PIECE), PIECE, |_, piece| {
+    in_pieces(grads, threads, |piece| {
         if unscale_and_check(piece, inv) {
             found.store(true, Ordering::Relaxed);
         }
@@ -45,15 +52,12 @@ pub(super) fn clip_to_norm_par(
     max_norm: f32,
     threads: usize,
 ) -> kiln_optim::Result<bool> {
-    if threads <= 1 || grads.len() <= PIECE {
-        return Ok(kiln_optim::clip_to_norm(grads, norm, max_norm)?.clipped);
-    }
     // the coefficient (and the checks) of the serial function, then its scaling in pieces
     let report = kiln_optim::clip_to_norm(&mut [], norm, max_norm)?;
     if report.clipped {
         let coef = report.coef;
-        for_each_slot(&slots(grads, PIECE), PIECE, |_, piece| {
-            piece.iter_mut().for_each(|g| *g *= coef);
+        in_pieces(grads, threads, |piece| {
+            piece.iter_mut().for_each(|g| *g *= coef)
         });
     }
     Ok(report.clipped)
