@@ -7,7 +7,8 @@
 //! the loader; `forward` and `backward`: the model, recomputation counted as backward;
 //! `grad_sync`: waiting for the gradient collectives after the backward; `optimizer`: unscale,
 //! norm, clipping, AdamW and the parameter write-back; `other`: the rest), and `peak_rss_mib`
-//! (the process's high-water mark).
+//! (the process's high-water mark); `bf16_kernel` says how this CPU runs bf16 products (`dot`:
+//! the `avx512_bf16` dot product; `fma`: the f32 kernel on rounded operands).
 //!
 //! With no arguments: the `small_cpu` preset (vocabulary 8192, context 128, d_model 256, 4
 //! layers, 4 heads, tied embeddings), global batch 8, f32, AdamW (kiln's defaults: betas
@@ -127,8 +128,14 @@ impl Report<'_> {
         let other = (p.step - p.data - p.forward - p.backward - p.grad_sync - p.optimizer).max(0.0);
         let seq = self.cfg.n_ctx;
         let tokens = (self.batch * seq) as f64;
+        // how bf16 products run on this CPU (the dot product, or the f32 kernel on rounded
+        // operands), for reading a bf16 figure
+        let bf16_kernel = match kiln_parallel::tp::bf16_kernel() {
+            kiln_parallel::tp::Bf16Kernel::Dot => "dot",
+            kiln_parallel::tp::Bf16Kernel::Fma => "fma",
+        };
         format!(
-            "{{\"bench\":\"train\",\"mode\":\"{}\",\"preset\":\"{}\",\"d_model\":{},\"layers\":{},\"heads\":{},\"ctx\":{seq},\"vocab\":{},\"params\":{},\"batch\":{},\"dtype\":\"{}\",\"dp\":{},\"tp\":{},\"zero_stage\":{},\"checkpointing\":\"{}\",\"steps\":{},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"data_s\":{:.4},\"forward_s\":{:.4},\"backward_s\":{:.4},\"grad_sync_s\":{:.4},\"optimizer_s\":{:.4},\"other_s\":{other:.4},\"peak_rss_mib\":{:.1}}}",
+            "{{\"bench\":\"train\",\"mode\":\"{}\",\"preset\":\"{}\",\"d_model\":{},\"layers\":{},\"heads\":{},\"ctx\":{seq},\"vocab\":{},\"params\":{},\"batch\":{},\"dtype\":\"{}\",\"bf16_kernel\":\"{}\",\"dp\":{},\"tp\":{},\"zero_stage\":{},\"checkpointing\":\"{}\",\"steps\":{},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"data_s\":{:.4},\"forward_s\":{:.4},\"backward_s\":{:.4},\"grad_sync_s\":{:.4},\"optimizer_s\":{:.4},\"other_s\":{other:.4},\"peak_rss_mib\":{:.1}}}",
             self.mode,
             self.preset,
             self.cfg.d_model,
@@ -138,6 +145,7 @@ impl Report<'_> {
             self.params,
             self.batch,
             self.dtype,
+            bf16_kernel,
             self.dp,
             self.tp,
             self.zero_stage,

@@ -68,6 +68,18 @@ pub fn round_f16(x: f32) -> f32 {
     }
 }
 
+/// `x` rounded to bf16 (to nearest even) and widened back, bitwise `half::bf16`'s round trip
+/// (a NaN stays a NaN, made quiet). Branch-free, so a loop of it vectorises: the products of
+/// such operands are exact in f32, so an f32 product of them is what a bf16 matrix unit with
+/// f32 accumulation computes.
+#[inline(always)]
+pub fn round_bf16(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+    let quiet = (bits | 0x0040_0000) & 0xffff_0000;
+    f32::from_bits(if x.is_nan() { quiet } else { rounded })
+}
+
 /// Whether this CPU has AVX-512F: kernels then run a copy of their loops compiled for it
 /// (`#[target_feature(enable = "avx512f")]`), 16 lanes wide instead of the baseline's 4. Rust
 /// never contracts a multiply and an add into one instruction on its own, so the copies
@@ -144,6 +156,28 @@ mod tests {
     /// `round_f16` is `half`'s conversion there and back, bit for bit, on every f32 whose
     /// top 20 bits vary with the rest from a pattern (over a million values: all exponents,
     /// both signs, ties and their neighbours), and on the edge cases.
+    #[test]
+    fn round_bf16_is_halfs_round_trip() {
+        let check = |x: f32| {
+            let want = half::bf16::from_f32(x).to_f32();
+            let got = round_bf16(x);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{x:e} ({:#010x}): {got:e} vs {want:e}",
+                x.to_bits()
+            );
+        };
+        // every upper half, with the lower halves at and around the rounding boundaries
+        for hi in 0u32..1 << 16 {
+            for lo in [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xabcd, 0xffff] {
+                check(f32::from_bits(hi << 16 | lo));
+            }
+        }
+        assert!(round_bf16(f32::NAN).is_nan());
+        assert_eq!(round_bf16(f32::MAX), f32::INFINITY);
+        assert_eq!(round_bf16(-0.0).to_bits(), (-0.0f32).to_bits());
+    }
+
     #[test]
     fn round_f16_is_halfs_round_trip() {
         let check = |x: f32| {

@@ -4,16 +4,18 @@
 //! candle 0.11 has no bf16 CPU matmul (it widens both operands to f32, multiplies, narrows
 //! the result), and gemm's f32 kernels reach about 110-160 GFLOP/s on 2 cores at the shapes
 //! of a small GPT's linear layers, against about 200 at the largest. Both kernels here share
-//! one structure: the operands are packed once into panels (rows of `A` in groups of 8, columns
-//! of `B` in groups of 32; for bf16 each element a 32-bit pair `(x[2q], x[2q + 1])` along the
-//! reduction), an 8 x 32 micro-kernel keeps its tile in 16 vector registers over a block of
-//! the reduction, and blocks of `B` panels stay in L2 while the row panels of a work item pass
-//! over them. bf16 operands come from bf16 tensors as they are, or from f32 tensors rounded to
-//! nearest even (`vcvtneps2bf16`) as they are packed: f32 storage with bf16 products, the
-//! hardware's double rate (see [`crate::tp::MatmulPrecision`]). Accumulation is f32; a bf16
-//! result is rounded once at the end.
+//! one structure: the operands are packed once into panels (rows of `A` in groups of 12,
+//! columns of `B` in groups of 32; for bf16 each element a 32-bit pair `(x[2q], x[2q + 1])`
+//! along the reduction), a 12 x 32 micro-kernel keeps its tile in 24 vector registers over a
+//! block of the reduction, and blocks of `B` panels stay in L2 while the row panels of a work
+//! item pass over them. Only a product of few rows reads `B` in place, and `A` is read in place
+//! only where its rows are contiguous. bf16 operands come from bf16 tensors as they are, or
+//! from f32 tensors rounded to nearest even (`vcvtneps2bf16`) as they are packed: f32 storage
+//! with bf16 products, the hardware's double rate where it has one (see [`bf16_kernel`] and
+//! [`crate::tp::MatmulPrecision`]). Accumulation is f32; a bf16 result is rounded once at the
+//! end.
 //!
-//! Work items (16 to 64 rows each) are shared out over candle's worker pool. Every output
+//! Work items (24 to 96 rows each) are shared out over candle's worker pool. Every output
 //! element is summed by one thread in a fixed order (reduction blocks in order, each block's
 //! terms in order), so results do not depend on the thread count or on the rows per item: the
 //! same inputs give the same bits.
@@ -28,13 +30,15 @@ use half::slice::HalfFloatSliceExt;
 use std::mem::MaybeUninit;
 use std::sync::Mutex;
 
-/// Row stride (in f32) from which `B` is packed even where its rows could be read in place:
-/// a panel's rows then fall into few L1 and L2 sets (a stride of a multiple of 4 KiB maps them
-/// all to one) and evict each other, which ran the product at a third of its packed speed at
-/// n = 2048 and 8192.
-const DIRECT_B_MAX_STRIDE: usize = 1024;
+/// Rows of `A` below which an f32 `B` with contiguous rows is read in place rather than packed:
+/// packing costs a pass over `B`, which only a product of few rows (a token's at generation)
+/// does not repay. Read in place, a panel's rows fall into few L1 sets where the stride is a
+/// multiple of a large power of two (each unit's 128 bytes a row apart), so the B stream
+/// evicted the A panel: packed, products of 1024 rows at n = 512 ran 15-25% faster on an
+/// Emerald Rapids Xeon (at n = 2048 and 8192, a third faster on a Zen 4 EPYC).
+const DIRECT_B_MAX_ROWS: usize = 64;
 /// Rows of a micro-tile.
-const MR: usize = 8;
+const MR: usize = 12;
 /// Columns of a micro-tile (two vectors of 16 f32 lanes).
 const NR: usize = 32;
 /// Reduction units (f32 values, or bf16 pairs) of one block: a packed `B` panel block is
@@ -45,7 +49,6 @@ const KC: usize = 256;
 const B_BLOCK_BYTES: usize = 384 * 1024;
 /// Units of a `B` panel packed together from a transposed `B` (64 rows of the panel, 8 KiB).
 const PACK_BLOCK: usize = 64;
-/// Row panels one work item takes.
 /// Row panels one work item takes: as many as leave about 8 items per thread, from 2 to 8.
 /// An item streams all of `B` through L2 once, so more rows per item read it fewer times
 /// (at n = 8192 and 2048 a product ran 30-40% faster with 8 panels than with 2).
@@ -65,6 +68,65 @@ pub(crate) fn has_bf16_dot() -> bool {
     {
         false
     }
+}
+
+/// How bf16 products are computed on this CPU (see [`bf16_kernel`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Kernel {
+    /// The `avx512_bf16` dot product of bf16 pairs (`vdpbf16ps`), operands rounded as they
+    /// are packed: twice the f32 FMA rate on AMD Zen 4.
+    Dot,
+    /// The operands rounded to bf16 into f32 copies, multiplied by the f32 FMA kernel: the same
+    /// exact products and f32 accumulation. On Intel Xeons without AMX (Sapphire and Emerald
+    /// Rapids) `vdpbf16ps` issues once every two cycles against two FMAs a cycle, so the dot
+    /// product runs at half the f32 kernel's rate there.
+    Fma,
+}
+
+/// The kernel bf16 products use on this CPU, decided once: `KILN_BF16_MATMUL=dot` or `fma`
+/// where set; otherwise the dot product where the CPU has `avx512_bf16` and is not an Intel
+/// one, the f32 kernel on rounded operands elsewhere. Measured on 2 cores: an Emerald Rapids
+/// Xeon ran 12 independent `vdpbf16ps` chains at 0.74 ns an instruction against 0.18 for
+/// `vfmadd231ps` (86 against 175 GFLOP/s a core), where a Zen 4 EPYC's bf16 kernel ran at
+/// about 1.9x its f32 one. Either kernel gives the same products to the accumulation order.
+pub fn bf16_kernel() -> Bf16Kernel {
+    static KERNEL: std::sync::OnceLock<Bf16Kernel> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        match std::env::var("KILN_BF16_MATMUL").as_deref() {
+            Ok("fma") => return Bf16Kernel::Fma,
+            Ok("dot") if has_bf16_dot() => return Bf16Kernel::Dot,
+            _ => {}
+        }
+        if has_bf16_dot() && !is_intel() {
+            Bf16Kernel::Dot
+        } else {
+            Bf16Kernel::Fma
+        }
+    })
+}
+
+/// Whether the CPU's vendor string is `GenuineIntel`.
+fn is_intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `cpuid` leaf 0 exists on every x86_64 CPU
+        #[allow(unused_unsafe)]
+        let r = unsafe { std::arch::x86_64::__cpuid(0) };
+        let mut vendor = [0u8; 12];
+        vendor[..4].copy_from_slice(&r.ebx.to_le_bytes());
+        vendor[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        vendor[8..].copy_from_slice(&r.ecx.to_le_bytes());
+        &vendor == b"GenuineIntel"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether bf16 products run on the dot-product kernel ([`bf16_kernel`]).
+fn bf16_dot_pays() -> bool {
+    bf16_kernel() == Bf16Kernel::Dot
 }
 
 /// A bf16 operand element: its value rounded to bf16 (round to nearest even).
@@ -241,11 +303,12 @@ pub(crate) fn gemm_bf16(
     a: Mat<'_, bf16>,
     b: Mat<'_, bf16>,
 ) {
-    gemm_pairs(dst, accumulate, mnk, a, b)
+    gemm_pairs(dst, accumulate, mnk, a, b, bf16_dot_pays())
 }
 
 /// `dst = a b` (`+=` with `accumulate`) for f32 tensors with both operands rounded to bf16
-/// and the products accumulated in f32 (see [`crate::tp::MatmulPrecision::Bf16`]).
+/// and the products accumulated in f32 (see [`crate::tp::MatmulPrecision::Bf16`]), on the
+/// dot-product kernel where the CPU has it (the caller chose it: [`bf16_kernel`]).
 pub(crate) fn gemm_f32_bf16(
     dst: &mut [f32],
     accumulate: bool,
@@ -266,18 +329,21 @@ pub(crate) fn gemm_f32_bf16(
     widened(dst, accumulate, mnk, a, b);
 }
 
+/// A product of bf16 tensors: on the dot-product kernel with `dot` (where the CPU has it), the
+/// f32 kernel on the widened values otherwise.
 fn gemm_pairs<O: Output>(
     dst: &mut [O],
     accumulate: bool,
     (m, n, k): (usize, usize, usize),
     a: Mat<'_, bf16>,
     b: Mat<'_, bf16>,
+    dot: bool,
 ) {
     if m == 0 || n == 0 {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if has_bf16_dot() && k > 0 {
+    if dot && has_bf16_dot() && k > 0 {
         let (ab, bb): (&[u16], &[u16]) = (a.data.reinterpret_cast(), b.data.reinterpret_cast());
         let a = Bits {
             data: ab,
@@ -295,7 +361,8 @@ fn gemm_pairs<O: Output>(
     widened(dst, accumulate, (m, n, k), a, b);
 }
 
-/// The fallback without avx512_bf16: both operands' bf16 values widened whole, an f32 product.
+/// Without the dot product (or where it does not pay, [`bf16_kernel`]): both operands' bf16
+/// values widened whole, an f32 product.
 fn widened<A: Operand, O: Output>(
     dst: &mut [O],
     accumulate: bool,
@@ -367,12 +434,24 @@ pub(crate) fn for_each_slot<T: Send>(
     (0..chunks.len()).for_each(run);
 }
 
-/// Runs `f(i)` for `i` in `0..n` on candle's worker pool when the work is large enough.
+/// Runs `f(i)` for `i` in `0..n` on candle's worker pool when the work is large enough, each
+/// thread taking the next item as it finishes one. (candle's `execute_chunked` hands out
+/// chunks of `n / (8 threads)` items, so 18 items went out as 9 chunks of 2, 5 to one thread
+/// and 4 to the other: a tenth of the product on one core.) Entered through
+/// `execute_chunked` with one slot per thread, which runs everything inline where the caller
+/// is itself on the pool.
 pub(crate) fn run_items(n: usize, work_per_item: usize, f: impl Fn(usize) + Sync) {
     if n <= 1 || n * work_per_item < 1 << 16 {
         (0..n).for_each(f);
     } else {
-        candle_core::utils::barrier_pool().execute_chunked(n, |range| range.for_each(&f));
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        candle_core::utils::barrier_pool().execute_chunked(pool_threads(), |_| loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if i >= n {
+                break;
+            }
+            f(i);
+        });
     }
 }
 
@@ -389,7 +468,7 @@ fn blocked<O: Output>(
     let units = packing.units(k);
     let n_panels = n.div_ceil(NR);
     // B is packed where it cannot be read in place: every panel, or only a partial last one
-    let b_direct = packing.b_direct();
+    let b_direct = packing.b_direct(m);
     let first_packed = if b_direct { n / NR } else { 0 };
     // the panels side by side in a buffer kept from earlier products (no allocation and no
     // zero fill: packing writes every element), packed in parallel
@@ -697,10 +776,12 @@ mod tests {
                     .zip(layouts(&av, &bv, (m, n, k)))
             {
                 let want = reference((m, n, k), &a, &b, |v: bf16| v.to_f64());
-                for accumulate in [false, true] {
+                for (accumulate, dot) in
+                    [(false, false), (true, false), (false, true), (true, true)]
+                {
                     let mut d16: Vec<bf16> = init.iter().map(|&v| bf16::from_f32(v)).collect();
                     let start16 = d16.clone();
-                    gemm_bf16(&mut d16, accumulate, (m, n, k), a, b);
+                    gemm_pairs(&mut d16, accumulate, (m, n, k), a, b, dot);
                     let mut d32 = init.clone();
                     gemm_f32_bf16(&mut d32, accumulate, (m, n, k), a32, b32);
                     for i in 0..m * n {

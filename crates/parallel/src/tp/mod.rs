@@ -54,6 +54,7 @@ mod shard;
 mod staging;
 mod vocab;
 
+pub use cpu_gemm::{bf16_kernel, Bf16Kernel};
 pub(crate) use cpu_gemm::{for_each_slot, pool_threads, run_items, slots};
 pub use dense::{matmul_precision, with_matmul_precision, MatmulPrecision};
 pub use linear::{

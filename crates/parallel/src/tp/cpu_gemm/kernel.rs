@@ -11,7 +11,7 @@ fn as_bh(v: __m512i) -> __m512bh {
     unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
 }
 
-/// Where a kernel leaves its 8 x 32 tile: rows `crs` apart from `c`, stored, or added to
+/// Where a kernel leaves its `MR x NR` (12 x 32) tile: rows `crs` apart from `c`, stored, or added to
 /// what is there with `add` (the sums then start from those values).
 pub(super) struct Dst {
     pub(super) c: *mut f32,
@@ -39,7 +39,7 @@ unsafe fn start(d: &Dst) -> [[__m512; 2]; MR] {
     c
 }
 
-/// Stores the 8 x 32 accumulators into the tile.
+/// Stores the `MR x NR` accumulators into the tile.
 ///
 /// # Safety
 /// The CPU must have avx512f; the tile must be writable.
@@ -163,10 +163,10 @@ pub(super) unsafe fn pairs_along(src: &[f32], out: &mut [u32]) -> usize {
 }
 
 /// `out[q * width + i] = (bf16(src[2q rs + i]), bf16(src[(2q + 1) rs + i]))` for
-/// `q < units`, `i < width`, 16 (or a last 8) values at a time.
+/// `q < units`, `i < width`, 16 values at a time (a last part through masks).
 ///
 /// # Safety
-/// The CPU must have avx512f and avx512bf16; `width` must be a multiple of 8, `src` hold
+/// The CPU must have avx512f and avx512bf16; `src` must hold
 /// `(2 units - 1) rs + width` values and `out` `units * width` pairs.
 #[target_feature(enable = "avx512f,avx512bf16")]
 pub(super) unsafe fn pairs_strided(
@@ -197,13 +197,14 @@ pub(super) unsafe fn pairs_strided(
             i += 16;
         }
         if i < width {
-            // SAFETY: the last 8 of `width` (a multiple of 8); the upper lanes are zero
-            // and not stored
+            // SAFETY: the last `width - i` (< 16) values of each row and pairs of `o`, through
+            // masks: lanes beyond them are neither read nor stored
             unsafe {
-                let l = bf16_lanes(_mm512_zextps256_ps512(_mm256_loadu_ps(lo.add(i))));
-                let h = bf16_lanes(_mm512_zextps256_ps512(_mm256_loadu_ps(hi.add(i))));
+                let mask: __mmask16 = ((1u32 << (width - i)) - 1) as u16;
+                let l = bf16_lanes(_mm512_maskz_loadu_ps(mask, lo.add(i)));
+                let h = bf16_lanes(_mm512_maskz_loadu_ps(mask, hi.add(i)));
                 let p = _mm512_or_si512(l, _mm512_slli_epi32::<16>(h));
-                _mm256_storeu_si256(o.add(i) as *mut __m256i, _mm512_castsi512_si256(p));
+                _mm512_mask_storeu_epi32(o.add(i) as *mut i32, mask, p);
             }
         }
     }
