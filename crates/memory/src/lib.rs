@@ -31,6 +31,7 @@ mod dynamic_batch;
 mod error;
 mod estimate;
 mod segment;
+pub mod tape;
 
 pub use dynamic_batch::DynamicBatch;
 pub use error::{BoxError, MemoryError, Result};

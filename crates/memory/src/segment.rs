@@ -10,8 +10,13 @@
 //! recompute a segment's forward just before its backward (activation checkpointing, see
 //! [`CheckpointPolicy`]) and ask a [`ParamProvider`] for a segment's parameters just before it
 //! runs (ZeRO-3 gathers them there and frees them after).
+//!
+//! Each segment's forward is recorded on a [`Tape`](crate::tape::Tape): where kiln's ops alone
+//! make up a segment (a transformer block), its backward runs from the tape, each op's own
+//! backward with no zero-filled buffer and addition per graph input; elsewhere candle's.
 
 use crate::error::{BoxError, MemoryError, Result};
+use crate::tape::{self, Tape, TapeGrads};
 use candle_core::{Tensor, Var};
 
 /// Why the executor asks for a segment's parameters.
@@ -295,6 +300,23 @@ struct Saved {
     output: Option<Tensor>,
     /// The parameters the kept graph uses.
     params: Option<SegmentParams>,
+    /// The kiln ops the kept graph ran, for the backward (see [`crate::tape`]).
+    tape: Option<Tape>,
+}
+
+/// A segment's gradients: from its tape, or from candle's backward.
+enum Grads {
+    Tape(TapeGrads),
+    Candle(candle_core::backprop::GradStore),
+}
+
+impl Grads {
+    fn get(&self, t: &Tensor) -> Option<&Tensor> {
+        match self {
+            Grads::Tape(g) => g.get(t),
+            Grads::Candle(g) => g.get(t),
+        }
+    }
 }
 
 /// Runs a [`SegmentedModel`] forward and backward segment by segment.
@@ -372,10 +394,12 @@ impl Executor {
             } else {
                 Var::from_tensor(&x.detach())?.as_tensor().clone()
             };
-            let out = model.forward_segment(i, &seg_input, targets, &params)?;
+            let (out, tape) =
+                tape::record(|| model.forward_segment(i, &seg_input, targets, &params));
+            let out = out?;
             x = out.detach();
             if self.policy.recomputes(i, n) {
-                drop(out);
+                drop((out, tape));
                 provider
                     .release(i, params)
                     .map_err(|source| hook_err("parameter provider", i, source))?;
@@ -383,12 +407,14 @@ impl Executor {
                     input: seg_input,
                     output: None,
                     params: None,
+                    tape: None,
                 });
             } else {
                 saved.push(Saved {
                     input: seg_input,
                     output: Some(out),
                     params: Some(params),
+                    tape: Some(tape),
                 });
             }
         }
@@ -408,23 +434,28 @@ impl Executor {
         let mut grad_out: Option<Tensor> = None;
         while let Some(s) = saved.pop() {
             let i = saved.len();
-            let (out, params) = match (s.output, s.params) {
-                (Some(out), Some(params)) => (out, params),
+            let (out, params, tape) = match (s.output, s.params, s.tape) {
+                (Some(out), Some(params), tape) => (out, params, tape),
                 _ => {
                     let params = provider
                         .acquire(i, Phase::Recompute)
                         .map_err(|source| hook_err("parameter provider", i, source))?;
                     recomputed += 1;
-                    (
-                        model.forward_segment(i, &s.input, targets, &params)?,
-                        params,
-                    )
+                    let (out, tape) =
+                        tape::record(|| model.forward_segment(i, &s.input, targets, &params));
+                    (out?, params, Some(tape))
                 }
             };
-            let grads = match grad_out.take() {
-                None if loss_scale == 1.0 => out.backward()?,
-                None => out.affine(loss_scale, 0.0)?.backward()?,
-                Some(g) => seeded(&out, g)?.backward()?,
+            let grads = match (grad_out.take(), tape) {
+                (None, _) if loss_scale == 1.0 => Grads::Candle(out.backward()?),
+                (None, _) => Grads::Candle(out.affine(loss_scale, 0.0)?.backward()?),
+                // the segment's own ops where they cover it: no zero-filled buffer and addition
+                // per graph input; candle's backward of the graph otherwise
+                (Some(g), Some(tape)) => match tape.backward(&out, g.clone())? {
+                    Some(tg) => Grads::Tape(tg),
+                    None => Grads::Candle(seeded(&out, g)?.backward()?),
+                },
+                (Some(g), None) => Grads::Candle(seeded(&out, g)?.backward()?),
             };
             drop(out);
             if i > 0 {

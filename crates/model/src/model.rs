@@ -226,11 +226,12 @@ impl Block {
     }
 
     fn forward_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
-        let x = (x + self.attention(&self.ln_1.forward_with(x, p)?, p)?)?;
+        // kiln ops end to end, so the segment's backward can run from its tape
+        let x = ops::residual_add(x, &self.attention(&self.ln_1.forward_with(x, p)?, p)?)?;
         let h = self
             .c_fc
             .forward_gelu_with(&self.ln_2.forward_with(&x, p)?, p)?;
-        Ok((&x + self.mlp_proj.forward_with(&h, p)?)?)
+        ops::residual_add(&x, &self.mlp_proj.forward_with(&h, p)?)
     }
 
     fn own(&self) -> Vec<(String, Var)> {

@@ -104,8 +104,12 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
         scale,
         lse: Mutex::new(None),
     };
-    Ok(q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
+    Ok(kiln_memory::tape::apply_op3(
+        &q.contiguous()?,
+        &k.contiguous()?,
+        &v.contiguous()?,
+        op,
+    )?)
 }
 
 /// The largest head dimension of the CUDA kernels.
@@ -433,7 +437,7 @@ pub fn causal_attention_packed(qkv: &Tensor, heads: usize, scale: f64) -> Result
         scale,
         lse: Mutex::new(None),
     };
-    Ok(qkv.contiguous()?.apply_op1(op)?)
+    Ok(kiln_memory::tape::apply_op1(&qkv.contiguous()?, op)?)
 }
 
 /// `(b, t, head_dim)` of a packed `[b, t, 3 * heads * head_dim]` layout.

@@ -78,9 +78,11 @@ pub fn cross_entropy(
             vocab: v,
         });
     }
-    Ok(logits
-        .contiguous()?
-        .apply_op2(&targets.contiguous()?, CrossEntropy { ignore_index })?)
+    Ok(kiln_memory::tape::apply_op2(
+        &logits.contiguous()?,
+        &targets.contiguous()?,
+        CrossEntropy { ignore_index },
+    )?)
 }
 
 /// The forward op: `(logits, targets) -> mean loss`.

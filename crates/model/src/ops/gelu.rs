@@ -32,7 +32,7 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
             got: x.dtype(),
         });
     }
-    Ok(x.contiguous()?.apply_op1(Gelu)?)
+    Ok(kiln_memory::tape::apply_op1(&x.contiguous()?, Gelu)?)
 }
 
 struct Gelu;
@@ -75,7 +75,11 @@ fn map2_rows_impl<T: Elem, F: Fn(T, T) -> T>(out: &mut [T], x: &[T], y: &[T], f:
 }
 
 /// `out[i] = f(x[i], y[i])` over whole rows of `ROW` elements in parallel, the tail inline.
-fn map2<T: Elem>(x: &[T], y: &[T], f: impl Fn(T, T) -> T + Sync) -> candle_core::Result<Vec<T>> {
+pub(super) fn map2<T: Elem>(
+    x: &[T],
+    y: &[T],
+    f: impl Fn(T, T) -> T + Sync,
+) -> candle_core::Result<Vec<T>> {
     let mut out = output_vec::<T>(x.len());
     let full = x.len() / ROW * ROW;
     let (head, tail) = out.split_at_mut(full);
@@ -207,7 +211,11 @@ pub fn bias_gelu(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
             },
         });
     }
-    Ok(x.contiguous()?.apply_op2(&bias.contiguous()?, BiasGelu)?)
+    Ok(kiln_memory::tape::apply_op2(
+        &x.contiguous()?,
+        &bias.contiguous()?,
+        BiasGelu,
+    )?)
 }
 
 struct BiasGelu;

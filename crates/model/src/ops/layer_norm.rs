@@ -73,7 +73,8 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
             expected: "finite and >= 0",
         });
     }
-    Ok(x.contiguous()?.apply_op3(
+    Ok(kiln_memory::tape::apply_op3(
+        &x.contiguous()?,
         &weight.contiguous()?,
         &bias.contiguous()?,
         LayerNormOp { eps },

@@ -11,10 +11,12 @@ mod attention;
 mod cross_entropy;
 mod gelu;
 mod layer_norm;
+mod residual;
 mod softmax;
 
 pub use attention::{causal_attention, causal_attention_packed};
 pub use cross_entropy::cross_entropy;
 pub use gelu::{bias_gelu, gelu};
 pub use layer_norm::layer_norm;
+pub use residual::residual_add;
 pub use softmax::{causal_softmax, causal_softmax_scaled};

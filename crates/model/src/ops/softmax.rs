@@ -52,7 +52,10 @@ pub fn causal_softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
             expected: "finite",
         });
     }
-    Ok(x.contiguous()?.apply_op1(CausalSoftmax { scale })?)
+    Ok(kiln_memory::tape::apply_op1(
+        &x.contiguous()?,
+        CausalSoftmax { scale },
+    )?)
 }
 
 /// The forward op.

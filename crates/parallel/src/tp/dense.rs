@@ -95,8 +95,10 @@ pub(crate) fn linear_cpu(
 ) -> candle_core::Result<Tensor> {
     let precision = matmul_precision();
     match bias {
-        Some(b) => x.apply_op3(weight, &b.contiguous()?, LinearBias { precision }),
-        None => x.apply_op2(weight, LinearNoBias { precision }),
+        Some(b) => {
+            kiln_memory::tape::apply_op3(x, weight, &b.contiguous()?, LinearBias { precision })
+        }
+        None => kiln_memory::tape::apply_op2(x, weight, LinearNoBias { precision }),
     }
 }
 

@@ -333,7 +333,10 @@ pub fn copy_to_tp_region(x: &Tensor, comm: &TpComm) -> Result<Tensor> {
     if comm.world_size() == 1 {
         return Ok(x.clone());
     }
-    Ok(x.contiguous()?.apply_op1(CopyToTp { comm: comm.clone() })?)
+    Ok(kiln_memory::tape::apply_op1(
+        &x.contiguous()?,
+        CopyToTp { comm: comm.clone() },
+    )?)
 }
 
 /// Megatron's `g`: all-reduce (sum) over the tensor-parallel group forward; backward, the
@@ -345,8 +348,10 @@ pub fn reduce_from_tp_region(x: &Tensor, comm: &TpComm) -> Result<Tensor> {
     if comm.world_size() == 1 {
         return Ok(x.clone());
     }
-    Ok(x.contiguous()?
-        .apply_op1(ReduceFromTp { comm: comm.clone() })?)
+    Ok(kiln_memory::tape::apply_op1(
+        &x.contiguous()?,
+        ReduceFromTp { comm: comm.clone() },
+    )?)
 }
 
 /// Concatenates every rank's `x` `[.., n]` along the last dimension into `[.., n * tp]`
@@ -357,8 +362,10 @@ pub fn gather_from_tp_region(x: &Tensor, comm: &TpComm) -> Result<Tensor> {
         return Ok(x.clone());
     }
     check_last(x, "gather_from_tp_region", 1)?;
-    Ok(x.contiguous()?
-        .apply_op1(GatherFromTp { comm: comm.clone() })?)
+    Ok(kiln_memory::tape::apply_op1(
+        &x.contiguous()?,
+        GatherFromTp { comm: comm.clone() },
+    )?)
 }
 
 /// This rank's columns `rank * n .. (rank + 1) * n` of `x` `[.., n * tp]`; backward, the
@@ -369,8 +376,10 @@ pub fn scatter_to_tp_region(x: &Tensor, comm: &TpComm) -> Result<Tensor> {
         return Ok(x.clone());
     }
     check_last(x, "scatter_to_tp_region", comm.world_size())?;
-    Ok(x.contiguous()?
-        .apply_op1(ScatterToTp { comm: comm.clone() })?)
+    Ok(kiln_memory::tape::apply_op1(
+        &x.contiguous()?,
+        ScatterToTp { comm: comm.clone() },
+    )?)
 }
 
 /// All-reduces a float tensor over the group with `reduce`, outside autograd (the result

@@ -440,7 +440,10 @@ pub fn vocab_parallel_cross_entropy(
     comm: &TpComm,
 ) -> Result<Tensor> {
     let (logits, stats) = ce_stats(logits_local, targets, ignore_index, comm)?;
-    Ok(logits.apply_op1(VocabCrossEntropy { stats })?)
+    Ok(kiln_memory::tape::apply_op1(
+        &logits,
+        VocabCrossEntropy { stats },
+    )?)
 }
 
 /// The checked, contiguous logits and their row statistics reduced over the group: what the

@@ -72,7 +72,7 @@ const BIAS_ROWS: usize = 64;
 /// order, where candle's broadcast add reduces over the leading dimensions with a strided sum
 /// (3% of the main job's step). The forward is candle's element for element.
 pub(crate) fn add_bias_cpu(y: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    y.contiguous()?.apply_op2(&b.contiguous()?, AddBias)
+    kiln_memory::tape::apply_op2(&y.contiguous()?, &b.contiguous()?, AddBias)
 }
 
 struct AddBias;

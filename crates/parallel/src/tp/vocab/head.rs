@@ -58,7 +58,8 @@ pub fn vocab_parallel_linear_cross_entropy(
     let precision = matmul_precision();
     let logits = linear_cpu(&x.detach(), &w.detach(), None)?;
     let (logits, stats) = ce_stats(&logits, targets, ignore_index, comm)?;
-    Ok(x.apply_op2(
+    Ok(kiln_memory::tape::apply_op2(
+        &x,
         &w,
         HeadCrossEntropy {
             stats,

@@ -1,0 +1,74 @@
+//! The residual addition `x + y` as a kiln op, so a transformer block is kiln's ops alone and
+//! its backward can run from the segment's tape (see `kiln_memory::tape`).
+
+use crate::error::{ModelError, Result};
+use crate::kernel::{contiguous, same_type, with_float_storage, Elem};
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+
+/// `x + y` for two tensors of one shape and float dtype: on the CPU one kiln op (bitwise
+/// candle's addition, forward and backward: each input gets the output's gradient), elsewhere
+/// candle's addition.
+///
+/// ```
+/// # fn main() -> anyhow::Result<()> {
+/// use candle_core::{Device, Tensor};
+/// let x = Tensor::new(&[1f32, 2.0], &Device::Cpu)?;
+/// let y = Tensor::new(&[0.5f32, -4.0], &Device::Cpu)?;
+/// assert_eq!(kiln_model::ops::residual_add(&x, &y)?.to_vec1::<f32>()?, vec![1.5, -2.0]);
+/// # Ok(()) }
+/// ```
+pub fn residual_add(x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    if x.shape() != y.shape() || x.dtype() != y.dtype() {
+        return Err(ModelError::Shape {
+            op: "residual_add",
+            what: "the two summands",
+            expected: format!("{:?} {:?}", x.dims(), x.dtype()),
+            got: format!("{:?} {:?}", y.dims(), y.dtype()),
+        });
+    }
+    if !x.device().is_cpu() {
+        return Ok((x + y)?);
+    }
+    Ok(kiln_memory::tape::apply_op2(
+        &x.contiguous()?,
+        &y.contiguous()?,
+        ResidualAdd,
+    )?)
+}
+
+struct ResidualAdd;
+
+impl CustomOp2 for ResidualAdd {
+    fn name(&self) -> &'static str {
+        "kiln-residual-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let op = self.name();
+        with_float_storage!(s1, op, |xs| {
+            let x = contiguous(xs, l1, op)?;
+            let y = contiguous(same_type(x, s2, op)?, l2, op)?;
+            if x.len() != y.len() {
+                candle_core::bail!("{op}: {} and {} elements", x.len(), y.len());
+            }
+            let out = super::gelu::map2(x, y, |a, b| Elem::store(a.load() + b.load()))?;
+            Ok((Elem::into_storage(out), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _y: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.clone()), Some(grad.clone())))
+    }
+}
