@@ -76,8 +76,8 @@ pub enum Bf16Kernel {
     /// The `avx512_bf16` dot product of bf16 pairs (`vdpbf16ps`), operands rounded as they
     /// are packed: twice the f32 FMA rate on AMD Zen 4.
     Dot,
-    /// The operands rounded to bf16 into f32 copies, multiplied by the f32 FMA kernel: the same
-    /// exact products and f32 accumulation. On Intel Xeons without AMX (Sapphire and Emerald
+    /// The operands rounded to bf16 values as they are packed, multiplied by the f32 FMA
+    /// kernel: the same exact products and f32 accumulation. On Intel Xeons without AMX (Sapphire and Emerald
     /// Rapids) `vdpbf16ps` issues once every two cycles against two FMAs a cycle, so the dot
     /// product runs at half the f32 kernel's rate there.
     Fma,
@@ -222,23 +222,70 @@ impl Output for bf16 {
     }
 }
 
-/// `dst = a b` (`+=` with `accumulate`), `dst` row-major `m x n`, on the f32 kernel where the
-/// CPU has AVX-512; returns false (nothing done) where it has not. The operands were checked
-/// to cover their products.
-pub(crate) fn gemm_f32_exact(
+/// The type f32 operands are rounded to before an f32 product multiplies them (to nearest
+/// even; f16 beyond its range to infinity): the products of rounded operands are exact in f32,
+/// so the f32 kernel then computes what a bf16 or f16 unit with f32 accumulation does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rounding {
+    Bf16,
+    F16,
+}
+
+/// How an f32 product takes its operands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Operands {
+    /// As they are, on the f32 kernel.
+    Exact,
+    /// Rounded to bf16 pairs as they are packed, on the bf16 dot product.
+    Bf16Dot,
+    /// Rounded as they are packed (both always packed), on the f32 kernel.
+    Rounded(Rounding),
+}
+
+/// The packing of `a` and `b` for `operands`, where the CPU has its kernel.
+#[cfg(target_arch = "x86_64")]
+fn packing<'a>(operands: Operands, a: Mat<'a, f32>, b: Mat<'a, f32>) -> Option<Packing<'a>> {
+    match operands {
+        Operands::Exact if has_avx512() => Some(Packing::F32 { a, b, round: None }),
+        Operands::Rounded(r) if has_avx512() => Some(Packing::F32 {
+            a,
+            b,
+            round: Some(r),
+        }),
+        Operands::Bf16Dot if has_bf16_dot() => Some(Packing::F32AsBf16 { a, b }),
+        _ => None,
+    }
+}
+
+/// `dst = a b` (`+=` with `accumulate`), `dst` row-major `m x n`, on kiln's kernel for
+/// `operands` where the CPU has it; returns false (nothing done) where it has not. The operands
+/// were checked to cover their products.
+pub(crate) fn gemm_f32(
     dst: &mut [f32],
     accumulate: bool,
     (m, n, k): (usize, usize, usize),
     a: Mat<'_, f32>,
     b: Mat<'_, f32>,
+    operands: Operands,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if has_avx512() {
-        product(dst, accumulate, (m, n, k), &Packing::F32 { a, b });
+    if let Some(p) = packing(operands, a, b) {
+        product(dst, accumulate, (m, n, k), &p);
         return true;
     }
-    let _ = (dst, accumulate, m, n, k, a, b);
+    let _ = (dst, accumulate, m, n, k, a, b, operands);
     false
+}
+
+/// [`gemm_f32`] with the operands as they are.
+pub(crate) fn gemm_f32_exact(
+    dst: &mut [f32],
+    accumulate: bool,
+    mnk: (usize, usize, usize),
+    a: Mat<'_, f32>,
+    b: Mat<'_, f32>,
+) -> bool {
+    gemm_f32(dst, accumulate, mnk, a, b, Operands::Exact)
 }
 
 /// `dst = a b` (`+=` with `accumulate`) on the blocked kernels, a product of nothing (`k ==
@@ -262,36 +309,24 @@ fn product<O: Output>(
     }
 }
 
-/// `dst = a b` into a fresh buffer of `m * n` elements, which it initialises whole, on the
-/// f32 kernel ([`MatmulPrecision::Highest`](crate::tp::MatmulPrecision)) or the bf16 dot
-/// product of rounded operands ([`MatmulPrecision::Bf16`](crate::tp::MatmulPrecision));
-/// returns false (nothing written) where the CPU lacks the kernel. No zero fill comes first:
-/// a product's output is written once.
+/// `dst = a b` into a fresh buffer of `m * n` elements, which it initialises whole, on kiln's
+/// kernel for `operands`; returns false (nothing written) where the CPU lacks it. No zero fill
+/// comes first: a product's output is written once.
 pub(crate) fn gemm_f32_fresh(
     dst: &mut [MaybeUninit<f32>],
-    bf16_operands: bool,
+    operands: Operands,
     (m, n, k): (usize, usize, usize),
     a: Mat<'_, f32>,
     b: Mat<'_, f32>,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    {
-        let ready = if bf16_operands {
-            has_bf16_dot()
-        } else {
-            has_avx512()
-        };
-        if ready && dst.len() >= m * n {
-            let packing = if bf16_operands {
-                Packing::F32AsBf16 { a, b }
-            } else {
-                Packing::F32 { a, b }
-            };
-            product(dst, false, (m, n, k), &packing);
+    if dst.len() >= m * n {
+        if let Some(p) = packing(operands, a, b) {
+            product(dst, false, (m, n, k), &p);
             return true;
         }
     }
-    let _ = (dst, bf16_operands, m, n, k, a, b);
+    let _ = (dst, operands, m, n, k, a, b);
     false
 }
 
@@ -651,6 +686,14 @@ mod kernel;
 mod tests {
     use super::*;
 
+    fn ops(bf16_dot: bool) -> Operands {
+        if bf16_dot {
+            Operands::Bf16Dot
+        } else {
+            Operands::Exact
+        }
+    }
+
     fn rand(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
         (0..n)
@@ -808,6 +851,73 @@ mod tests {
         }
     }
 
+    /// Operands rounded as they are packed give bitwise the f32 kernel's product of rounded
+    /// copies, for every layout and edge size, into a buffer (with and without accumulation)
+    /// and into a fresh one: the same values summed in the same order.
+    #[test]
+    fn rounding_while_packing_is_the_product_of_rounded_copies() {
+        if !has_avx512() {
+            println!("this CPU has no AVX-512: rounding while packing was not exercised");
+            return;
+        }
+        type Round = fn(f32) -> f32;
+        let roundings: [(Rounding, Round); 2] = [
+            (Rounding::Bf16, crate::fastmath::round_bf16),
+            (Rounding::F16, crate::fastmath::round_f16),
+        ];
+        for &(m, n, k) in SHAPES.iter().chain(&[(70, 40, 33)]) {
+            // some beyond f16's range
+            let av: Vec<f32> = rand(m * k, 13).iter().map(|v| v * 9e4).collect();
+            let (bv, init) = (rand(k * n, 14), rand(m * n, 15));
+            for (r, round) in roundings {
+                let (ar, br): (Vec<f32>, Vec<f32>) = (
+                    av.iter().map(|&v| round(v)).collect(),
+                    bv.iter().map(|&v| round(v)).collect(),
+                );
+                for ((a, b), (a2, b2)) in
+                    layouts(&av, &bv, (m, n, k))
+                        .into_iter()
+                        .zip(layouts(&ar, &br, (m, n, k)))
+                {
+                    for accumulate in [false, true] {
+                        let mut got = init.clone();
+                        assert!(gemm_f32(
+                            &mut got,
+                            accumulate,
+                            (m, n, k),
+                            a,
+                            b,
+                            Operands::Rounded(r)
+                        ));
+                        let mut want = init.clone();
+                        assert!(gemm_f32_exact(&mut want, accumulate, (m, n, k), a2, b2));
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{r:?} {m}x{n}x{k} acc={accumulate}"
+                        );
+                        if accumulate {
+                            continue;
+                        }
+                        let mut fresh = vec![MaybeUninit::new(f32::NAN); m * n];
+                        assert!(gemm_f32_fresh(
+                            &mut fresh,
+                            Operands::Rounded(r),
+                            (m, n, k),
+                            a,
+                            b
+                        ));
+                        // SAFETY: the buffer was initialised (to NaN) when it was made
+                        let fresh: Vec<f32> =
+                            fresh.iter().map(|v| unsafe { v.assume_init() }).collect();
+                        assert_eq!(bits(&fresh), bits(&want), "fresh {r:?} {m}x{n}x{k}");
+                    }
+                }
+            }
+        }
+    }
+
     /// A product into a fresh buffer writes every element, bitwise what the product into a
     /// zeroed buffer gives, for every layout and edge size at both precisions (the buffer
     /// starts as NaN, so an element left unwritten would show).
@@ -818,7 +928,7 @@ mod tests {
             for (a, b) in layouts(&av, &bv, (m, n, k)) {
                 for bf16_operands in [false, true] {
                     let mut fresh = vec![MaybeUninit::new(f32::NAN); m * n + 3];
-                    if !gemm_f32_fresh(&mut fresh, bf16_operands, (m, n, k), a, b) {
+                    if !gemm_f32_fresh(&mut fresh, ops(bf16_operands), (m, n, k), a, b) {
                         println!("this CPU lacks the kernel: fresh products were not exercised");
                         return;
                     }
@@ -855,7 +965,7 @@ mod tests {
                     scratch::put_b(vec![poison; 1 << 16]);
                     scratch::put_a(vec![poison; 1 << 16], vec![poison; 1 << 16]);
                     let mut got = vec![MaybeUninit::new(0f32); m * n];
-                    if !gemm_f32_fresh(&mut got, bf16_operands, (m, n, k), a, b) {
+                    if !gemm_f32_fresh(&mut got, ops(bf16_operands), (m, n, k), a, b) {
                         println!("this CPU lacks the kernel: buffer reuse was not exercised");
                         return;
                     }

@@ -14,7 +14,7 @@
 //! `avx512_bf16` dot product with f32 accumulation for bf16) where the CPU has them, gemm's
 //! kernels elsewhere (bf16 widened to f32); f64 and f16 use gemm's kernels of that type.
 
-use crate::tp::cpu_gemm;
+use crate::tp::cpu_gemm::{self, Operands, Rounding};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor, WithDType};
 use half::{bf16, f16};
@@ -28,8 +28,8 @@ const OP: &str = "kiln-linear";
 /// the products accumulate in f32, the result staying f32: the tensors around the product,
 /// their gradients and every other op stay f32. Where the CPU's `avx512_bf16` dot product
 /// outruns f32 FMA (twice its rate on AMD Zen 4) the operands are rounded as they are packed
-/// for it; elsewhere (Intel Xeons without AMX, where it runs at half FMA's rate) the rounded
-/// operands go through the f32 kernel (see [`crate::tp::bf16_kernel`]). This is how kiln-model computes in bf16 on the CPU
+/// for it; elsewhere (Intel Xeons without AMX, where it runs at half FMA's rate) they are
+/// rounded as they are packed for the f32 kernel (see [`crate::tp::bf16_kernel`]). This is how kiln-model computes in bf16 on the CPU
 /// (see `GptOptions::compute_dtype`), where candle's element-wise bf16 kernels are slower than
 /// its f32 ones. [`MatmulPrecision::F16`] does the same with f16 operands (kiln-model's f16
 /// compute on the CPU). Tensors stored in bf16, f16 or f64 are multiplied in their own type
@@ -43,9 +43,10 @@ pub enum MatmulPrecision {
     Bf16,
     /// f16 operands (rounded to nearest even, beyond 65504 to infinity), f32 accumulation and
     /// result: what an f16 matrix unit with f32 accumulation computes. This CPU family has no
-    /// f16 dot product, so the rounded operands run through the f32 kernel (a copy of each
-    /// operand per product, a few percent of it). A scaled gradient too large for f16 becomes
-    /// infinite in the product, so a dynamic loss scaler sees the overflow it exists for.
+    /// f16 dot product, so the operands are rounded as they are packed for the f32 kernel
+    /// (rounded copies through gemm's kernel where the CPU lacks AVX-512). A scaled gradient
+    /// too large for f16 becomes infinite in the product, so a dynamic loss scaler sees the
+    /// overflow it exists for.
     F16,
 }
 
@@ -282,6 +283,12 @@ fn matmul_prec<T: DenseElem>(
         }
         MatmulPrecision::Bf16 | MatmulPrecision::F16 => {
             let rounding = copy_rounding(precision);
+            if let (Some(r), Some((dst, a, b))) = (rounding, T::as_f32(&mut *dst, a, b)) {
+                // rounded as they are packed, no copies
+                if cpu_gemm::gemm_f32(dst, accumulate, (m, n, k), a, b, Operands::Rounded(r)) {
+                    return Ok(());
+                }
+            }
             if let Some((ar, br)) = rounding.and_then(|r| {
                 Some((
                     T::rounded_operand(a.data, r)?,
@@ -299,17 +306,11 @@ fn matmul_prec<T: DenseElem>(
     Ok(())
 }
 
-/// The type f32 operands are rounded to, as copies, before they go to the f32 kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Rounding {
-    Bf16,
-    F16,
-}
-
-/// How the f32 operands of a product at `precision` are rounded as copies: f16 always (this
-/// CPU family has no f16 dot product), bf16 where the f32 kernel multiplies them
-/// ([`cpu_gemm::Bf16Kernel::Fma`]); `None` where the kernel takes them as they are (f32, or
-/// the bf16 dot product, which rounds as it packs).
+/// How the f32 operands of a product at `precision` are rounded for the f32 kernel: to f16
+/// always (this CPU family has no f16 dot product), to bf16 where the f32 kernel multiplies
+/// them ([`cpu_gemm::Bf16Kernel::Fma`]); `None` where the kernel takes them as they are (f32,
+/// or the bf16 dot product, which rounds to pairs as it packs). kiln's kernel rounds them as it
+/// packs them; gemm's (no AVX-512) takes rounded copies.
 fn copy_rounding(precision: MatmulPrecision) -> Option<Rounding> {
     match precision {
         MatmulPrecision::Highest => None,
@@ -470,13 +471,13 @@ impl DenseElem for f32 {
         b: Mat<'_, Self>,
         precision: MatmulPrecision,
     ) -> Option<Vec<Self>> {
-        let bf16_operands = match (precision, copy_rounding(precision)) {
-            (MatmulPrecision::Highest, _) => false,
-            (MatmulPrecision::Bf16, None) => true,
-            _ => return None,
+        let operands = match (precision, copy_rounding(precision)) {
+            (_, Some(r)) => Operands::Rounded(r),
+            (MatmulPrecision::Bf16, None) => Operands::Bf16Dot,
+            _ => Operands::Exact,
         };
         let mut out = Vec::with_capacity(m * n);
-        if !cpu_gemm::gemm_f32_fresh(out.spare_capacity_mut(), bf16_operands, (m, n, k), a, b) {
+        if !cpu_gemm::gemm_f32_fresh(out.spare_capacity_mut(), operands, (m, n, k), a, b) {
             return None;
         }
         // SAFETY: `gemm_f32_fresh` returned true, so it initialised the first `m * n`
@@ -556,9 +557,10 @@ fn backward<T: DenseElem>(
         )));
     }
     let db = bias.then(|| column_sums(dy, outf));
-    // operands rounded as copies: `dy` feeds both products, so it is rounded once here (as
-    // are `W` and `x`), not once per product
-    let rounded = copy_rounding(precision).and_then(|r| {
+    // where the kernel cannot round as it packs (no AVX-512), rounded copies: `dy` feeds both
+    // products, so it is rounded once here (as are `W` and `x`), not once per product
+    let by_copy = !crate::fastmath::has_avx512();
+    let rounded = copy_rounding(precision).filter(|_| by_copy).and_then(|r| {
         Some((
             T::rounded_operand(dy, r)?,
             T::rounded_operand(w, r)?,

@@ -3,7 +3,7 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::kernel;
-use super::{has_bf16_dot, DIRECT_B_MAX_ROWS, MR, NR, PACK_BLOCK};
+use super::{has_bf16_dot, Rounding, DIRECT_B_MAX_ROWS, MR, NR, PACK_BLOCK};
 use crate::tp::dense::Mat;
 use half::bf16;
 use std::mem::MaybeUninit;
@@ -18,8 +18,13 @@ pub(super) struct Bits<'a> {
 
 /// The operands of one product and how they pack.
 pub(super) enum Packing<'a> {
-    /// f32 values, one per reduction unit.
-    F32 { a: Mat<'a, f32>, b: Mat<'a, f32> },
+    /// f32 values, one per reduction unit, rounded to bf16 or f16 as they are packed where
+    /// `round` says (both operands are then always packed).
+    F32 {
+        a: Mat<'a, f32>,
+        b: Mat<'a, f32>,
+        round: Option<Rounding>,
+    },
     /// bf16 pairs along the reduction, one pair per unit.
     Bf16 { a: Bits<'a>, b: Bits<'a> },
     /// f32 values rounded to bf16 pairs (nearest even) as they are packed.
@@ -39,6 +44,14 @@ impl Packing<'_> {
     /// every element of the panel's `units * NR` (a partial panel is zeroed first), so
     /// `panel` may hold anything.
     pub(super) fn pack_b_panel(&self, k: usize, n: usize, j: usize, panel: &mut [u32]) {
+        self.pack_b_values(k, n, j, panel);
+        if let Packing::F32 { round: Some(r), .. } = self {
+            round_in_place(&mut panel[..k * NR], *r);
+        }
+    }
+
+    /// [`Packing::pack_b_panel`] before the rounding of `F32 { round: Some(_) }`.
+    fn pack_b_values(&self, k: usize, n: usize, j: usize, panel: &mut [u32]) {
         let c0 = j * NR;
         let width = NR.min(n - c0);
         if width < NR {
@@ -156,8 +169,16 @@ impl Packing<'_> {
             out[..units * MR].fill(0);
         }
         match self {
-            Packing::F32 { a, .. } => {
-                if a.cs == 1 {
+            Packing::F32 { a, round, .. } => {
+                if self.a_rows_packed() {
+                    // each row copied whole (rows `units` apart), then rounded
+                    for (r, dst) in out.chunks_exact_mut(units).take(rows).enumerate() {
+                        let row = &a.data[(r0 + r) * a.rs..][..k];
+                        for (d, v) in dst.iter_mut().zip(row) {
+                            *d = v.to_bits();
+                        }
+                    }
+                } else if a.cs == 1 {
                     for r in 0..rows {
                         let row = &a.data[(r0 + r) * a.rs..][..k];
                         for (kk, v) in row.iter().enumerate() {
@@ -171,6 +192,9 @@ impl Packing<'_> {
                             *d = a.data[(r0 + r) * a.rs + kk * a.cs].to_bits();
                         }
                     }
+                }
+                if let Some(r) = round {
+                    round_in_place(&mut out[..units * MR], *r);
                 }
             }
             Packing::Bf16 { a, .. } => {
@@ -251,8 +275,14 @@ impl Packing<'_> {
         run: &mut Vec<u32>,
         out: &mut [u32],
     ) -> bool {
-        if let Packing::F32 { a, .. } = self {
-            return transposed_f32_item(a, k, r0, rows, out);
+        if let Packing::F32 { a, round, .. } = self {
+            if !transposed_f32_item(a, k, r0, rows, out) {
+                return false;
+            }
+            if let Some(r) = round {
+                round_in_place(&mut out[..rows / MR * k * MR], *r);
+            }
+            return true;
         }
         let Packing::F32AsBf16 { a, .. } = self else {
             return false;
@@ -294,11 +324,17 @@ impl Packing<'_> {
     }
 
     /// Whether packed panels of `A` hold their rows one after another (`[MR][units]`, rows
-    /// `units` apart) rather than unit by unit (`[units][MR]`): f32 rows rounded to bf16,
-    /// whose pairs are adjacent values, so each row is rounded in one contiguous run with no
-    /// scatter (the kernel takes any row and unit stride).
+    /// `units` apart) rather than unit by unit (`[units][MR]`): f32 rows rounded to bf16
+    /// pairs, or to bf16 or f16 values, each row rounded in one contiguous run with no scatter
+    /// (the kernel takes any row and unit stride).
     pub(super) fn a_rows_packed(&self) -> bool {
-        matches!(self, Packing::F32AsBf16 { a, .. } if a.cs == 1)
+        match self {
+            Packing::F32AsBf16 { a, .. }
+            | Packing::F32 {
+                a, round: Some(_), ..
+            } => a.cs == 1,
+            _ => false,
+        }
     }
 
     /// Whether a full panel of `A` can be read in place (no packing): f32 rows whose values are
@@ -307,7 +343,7 @@ impl Packing<'_> {
     /// pairs are adjacent (`cs == 1`, `k` even).
     pub(super) fn a_direct(&self, k: usize) -> bool {
         match self {
-            Packing::F32 { a, .. } => a.cs == 1,
+            Packing::F32 { a, round, .. } => a.cs == 1 && round.is_none(),
             Packing::Bf16 { a, .. } => a.cs == 1 && k % 2 == 0,
             Packing::F32AsBf16 { .. } => false,
         }
@@ -318,7 +354,7 @@ impl Packing<'_> {
     /// [`DIRECT_B_MAX_ROWS`](super::DIRECT_B_MAX_ROWS)).
     pub(super) fn b_direct(&self, m: usize) -> bool {
         match self {
-            Packing::F32 { b, .. } => b.cs == 1 && m < DIRECT_B_MAX_ROWS,
+            Packing::F32 { b, round, .. } => b.cs == 1 && m < DIRECT_B_MAX_ROWS && round.is_none(),
             Packing::Bf16 { .. } | Packing::F32AsBf16 { .. } => false,
         }
     }
@@ -358,8 +394,12 @@ impl Packing<'_> {
             (rows - 1) * rs + (len - 1) * ks + extra < avail
         };
         match self {
-            Packing::F32 { a, b } => {
+            Packing::F32 { a, b, .. } => {
                 let (ap, aavail, ars, aks): (*const f32, usize, usize, usize) = match pa {
+                    Some(p) if self.a_rows_packed() => {
+                        let s = &p[u0..units * MR];
+                        (s.as_ptr() as *const f32, s.len(), units, 1)
+                    }
                     Some(p) => {
                         let s = &p[u0 * MR..units * MR];
                         (s.as_ptr() as *const f32, s.len(), 1, MR)
@@ -584,4 +624,28 @@ fn pairs_strided(src: &[f32], rs: usize, units: usize, width: usize, out: &mut [
         }
     }
     true
+}
+
+/// f32 bits rounded in place to bf16 or f16 values (widened back to f32), one vectorised
+/// pass over a packed panel that is still in cache.
+fn round_in_place(bits: &mut [u32], r: Rounding) {
+    crate::simd_dispatch!(round_in_place_avx512, round_in_place_impl, (bits, r))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn round_in_place_avx512(bits: &mut [u32], r: Rounding) {
+    round_in_place_impl(bits, r)
+}
+
+#[inline(always)]
+fn round_in_place_impl(bits: &mut [u32], r: Rounding) {
+    match r {
+        Rounding::Bf16 => bits
+            .iter_mut()
+            .for_each(|b| *b = crate::fastmath::round_bf16(f32::from_bits(*b)).to_bits()),
+        Rounding::F16 => bits
+            .iter_mut()
+            .for_each(|b| *b = crate::fastmath::round_f16(f32::from_bits(*b)).to_bits()),
+    }
 }
