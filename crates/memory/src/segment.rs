@@ -446,16 +446,24 @@ impl Executor {
                     (out?, params, Some(tape))
                 }
             };
-            let grads = match (grad_out.take(), tape) {
-                (None, _) if loss_scale == 1.0 => Grads::Candle(out.backward()?),
-                (None, _) => Grads::Candle(out.affine(loss_scale, 0.0)?.backward()?),
-                // the segment's own ops where they cover it: no zero-filled buffer and addition
-                // per graph input; candle's backward of the graph otherwise
-                (Some(g), Some(tape)) => match tape.backward(&out, g.clone())? {
-                    Some(tg) => Grads::Tape(tg),
-                    None => Grads::Candle(seeded(&out, g)?.backward()?),
-                },
-                (Some(g), None) => Grads::Candle(seeded(&out, g)?.backward()?),
+            // the segment's own ops where they cover it (on the CPU): no zero-filled buffer
+            // and addition per graph input; candle's backward of the graph otherwise. The
+            // loss's gradient is the loss scale, as candle's backward of `loss * scale` gives
+            let tape = tape.filter(|_| out.device().is_cpu());
+            let root = match &grad_out {
+                Some(g) => g.clone(),
+                None => Tensor::full(loss_scale as f32, out.shape(), out.device())?
+                    .to_dtype(out.dtype())?,
+            };
+            let taped = match tape {
+                Some(tape) => tape.backward(&out, root)?,
+                None => None,
+            };
+            let grads = match (taped, grad_out.take()) {
+                (Some(tg), _) => Grads::Tape(tg),
+                (None, None) if loss_scale == 1.0 => Grads::Candle(out.backward()?),
+                (None, None) => Grads::Candle(out.affine(loss_scale, 0.0)?.backward()?),
+                (None, Some(g)) => Grads::Candle(seeded(&out, g)?.backward()?),
             };
             drop(out);
             if i > 0 {

@@ -110,13 +110,25 @@ impl Norm {
     }
 
     fn forward_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+        let (w, b) = self.params_with(x, p)?;
+        ops::layer_norm(x, &w, &b, self.eps)
+    }
+
+    /// [`Norm::forward_with`] as rows `[n, d]` (see [`ops::layer_norm_rows`]).
+    fn forward_rows_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+        let (w, b) = self.params_with(x, p)?;
+        ops::layer_norm_rows(x, &w, &b, self.eps)
+    }
+
+    /// The gain and bias from `p`, in `x`'s dtype.
+    fn params_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<(Tensor, Tensor)> {
         let w = p
             .param(&format!("{}.weight", self.name))?
             .to_dtype(x.dtype())?;
         let b = p
             .param(&format!("{}.bias", self.name))?
             .to_dtype(x.dtype())?;
-        ops::layer_norm(x, &w, &b, self.eps)
+        Ok((w, b))
     }
 
     fn parameters(&self, out: &mut Vec<(String, Var)>) {
@@ -851,8 +863,8 @@ impl Gpt {
     /// rows) in their dtype.
     fn head_operands(&self, x: &Tensor, p: &dyn ParamSource) -> Result<(Tensor, Tensor)> {
         let p = &self.source(p);
-        let (b, t, d) = x.dims3()?;
-        let h = self.ln_f.forward_with(x, p)?.reshape((b * t, d))?;
+        // as rows straight from the norm: a reshape would be a graph node of its own
+        let h = self.ln_f.forward_rows_with(x, p)?;
         let w = p.param("wte")?.to_dtype(h.dtype())?;
         Ok((h, w))
     }

@@ -76,6 +76,41 @@ fn a_block_tape_gives_candles_gradients() {
     }
 }
 
+/// The head's tape (final LayerNorm and the fused LM head with the cross-entropy) covers it too,
+/// so the executor runs the whole backward but the embedding's from tapes; with a loss scale
+/// of 1024 every gradient is exactly 1024 times the unscaled one.
+#[test]
+fn the_head_is_taped_and_a_loss_scale_scales_exactly() {
+    let m = model(DType::F32);
+    let (x, y) = batch(2, 16, 64);
+    let params: Vec<SegmentParams> = m
+        .segment_param_lists()
+        .into_iter()
+        .map(SegmentParams::new)
+        .collect();
+    let last = m.num_segments() - 1;
+    let h =
+        Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 16, 32), &Device::Cpu).unwrap()).unwrap();
+    let (loss, tape) = tape::record(|| m.forward_segment(last, h.as_tensor(), &y, &params[last]));
+    assert!(tape.covers(&loss.unwrap()), "the head's tape covers it");
+    let run = |scale: f64| {
+        let lists = m.segment_param_lists();
+        let mut provider = StaticParams::new(lists.into_iter().map(SegmentParams::new).collect());
+        let mut hook = CollectGrads::default();
+        Executor::new(CheckpointPolicy::None)
+            .run(&m, &x, &y, &mut provider, &mut hook, scale)
+            .unwrap();
+        hook
+    };
+    let (one, scaled) = (run(1.0), run(1024.0));
+    for (name, _) in m.named_parameters() {
+        let a = flat(one.get(&name).unwrap());
+        let b = flat(scaled.get(&name).unwrap());
+        let want: Vec<f32> = a.iter().map(|v| v * 1024.0).collect();
+        assert_bitwise_eq(&b, &want);
+    }
+}
+
 /// A segment with a candle op that tracks gradients in it is not covered: the executor then
 /// runs candle's backward, and a tape's backward declines.
 #[test]

@@ -28,6 +28,24 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 /// # Ok(()) }
 /// ```
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    layer_norm_shaped(x, weight, bias, eps, false)
+}
+
+/// [`layer_norm`] with its output as rows `[n, d]` (every leading dimension of `x` in `n`):
+/// what a product over rows takes, without a reshape, which would be a graph node of its own
+/// (a zero-filled gradient buffer and an addition in candle's backward, and an op no segment
+/// tape records). The gradient of `x` keeps `x`'s shape.
+pub fn layer_norm_rows(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    layer_norm_shaped(x, weight, bias, eps, true)
+}
+
+fn layer_norm_shaped(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    rows: bool,
+) -> Result<Tensor> {
     const OP: &str = "layer_norm";
     let d = match x.dims().last() {
         Some(&d) if d > 0 => d,
@@ -77,13 +95,24 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
         &x.contiguous()?,
         &weight.contiguous()?,
         &bias.contiguous()?,
-        LayerNormOp { eps },
+        LayerNormOp { eps, rows },
     )?)
 }
 
-/// The forward op: `(x, weight, bias) -> y`.
+/// The forward op: `(x, weight, bias) -> y`, `y` shaped as `x` or as rows `[n, d]`.
 struct LayerNormOp {
     eps: f64,
+    rows: bool,
+}
+
+impl LayerNormOp {
+    /// The output's shape for an input of shape `x`.
+    fn out_shape(&self, x: &Shape) -> Shape {
+        match (self.rows, x.dims().last()) {
+            (true, Some(&d)) if d > 0 => Shape::from((x.elem_count() / d, d)),
+            _ => x.clone(),
+        }
+    }
 }
 
 /// Mean and reciprocal standard deviation of one row (two-pass variance).
@@ -163,7 +192,8 @@ impl CustomOp3 for LayerNormOp {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        crate::cuda::layer_norm_fwd((s1, l1), (s2, l2), (s3, l3), self.eps)
+        let (y, shape) = crate::cuda::layer_norm_fwd((s1, l1), (s2, l2), (s3, l3), self.eps)?;
+        Ok((y, self.out_shape(&shape)))
     }
 
     fn cpu_fwd(
@@ -181,7 +211,7 @@ impl CustomOp3 for LayerNormOp {
             let w = contiguous(same_type(x, s2, op)?, l2, op)?;
             let b = contiguous(same_type(x, s3, op)?, l3, op)?;
             let y = ln_fwd(x, w, b, self.eps)?;
-            Ok((Elem::into_storage(y), l1.shape().clone()))
+            Ok((Elem::into_storage(y), self.out_shape(l1.shape())))
         })
     }
 

@@ -17,6 +17,6 @@ mod softmax;
 pub use attention::{causal_attention, causal_attention_packed};
 pub use cross_entropy::cross_entropy;
 pub use gelu::{bias_gelu, gelu};
-pub use layer_norm::layer_norm;
+pub use layer_norm::{layer_norm, layer_norm_rows};
 pub use residual::residual_add;
 pub use softmax::{causal_softmax, causal_softmax_scaled};
