@@ -851,6 +851,33 @@ mod tests {
         }
     }
 
+    /// Rounding packed panels in place (the f16 one through the hardware conversions, 16 at a
+    /// time) is bitwise the scalar rounding, NaN included, over every upper half of the f32
+    /// bits with lower halves at and around the rounding boundaries, and a length with a tail.
+    #[test]
+    fn rounding_in_place_is_the_scalar_rounding() {
+        let lows = [
+            0u32, 1, 0x0fff, 0x1000, 0x1001, 0x7fff, 0x8000, 0x8001, 0xabcd, 0xffff,
+        ];
+        let mut bits: Vec<u32> = (0u32..1 << 16)
+            .flat_map(|hi| lows.iter().map(move |lo| hi << 16 | lo))
+            .collect();
+        bits.push(0x3f80_0001); // a tail shorter than a vector
+        type Round = fn(f32) -> f32;
+        let scalars: [(Rounding, Round); 2] = [
+            (Rounding::F16, crate::fastmath::round_f16),
+            (Rounding::Bf16, crate::fastmath::round_bf16),
+        ];
+        for (r, scalar) in scalars {
+            let mut got = bits.clone();
+            pack::round_in_place(&mut got, r);
+            for (&x, &g) in bits.iter().zip(&got) {
+                let want = scalar(f32::from_bits(x)).to_bits();
+                assert_eq!(g, want, "{r:?} {x:#010x}");
+            }
+        }
+    }
+
     /// Operands rounded as they are packed give bitwise the f32 kernel's product of rounded
     /// copies, for every layout and edge size, into a buffer (with and without accumulation)
     /// and into a fresh one: the same values summed in the same order.

@@ -252,3 +252,28 @@ pub(super) unsafe fn transpose_8x8(src: *const f32, ss: usize, dst: *mut u32, ds
         }
     }
 }
+
+/// f32 values (as bits) rounded in place to f16 values (nearest even, beyond f16's range to
+/// infinity) and widened back, 16 at a time through the hardware conversions
+/// (`vcvtps2ph`, `vcvtph2ps`); NaN lanes are kept as they are, so every lane is bitwise
+/// [`crate::fastmath::round_f16`]'s result, which the tail uses.
+///
+/// # Safety
+/// The CPU must have avx512f.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn round_f16_in_place(bits: &mut [u32]) {
+    let mut chunks = bits.chunks_exact_mut(16);
+    for c in &mut chunks {
+        let p = c.as_mut_ptr() as *mut f32;
+        // SAFETY: the chunk holds 16 values
+        unsafe {
+            let v = _mm512_loadu_ps(p);
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            _mm512_storeu_ps(p, _mm512_mask_blend_ps(nan, _mm512_cvtph_ps(h), v));
+        }
+    }
+    for b in chunks.into_remainder() {
+        *b = crate::fastmath::round_f16(f32::from_bits(*b)).to_bits();
+    }
+}

@@ -628,7 +628,13 @@ fn pairs_strided(src: &[f32], rs: usize, units: usize, width: usize, out: &mut [
 
 /// f32 bits rounded in place to bf16 or f16 values (widened back to f32), one vectorised
 /// pass over a packed panel that is still in cache.
-fn round_in_place(bits: &mut [u32], r: Rounding) {
+pub(super) fn round_in_place(bits: &mut [u32], r: Rounding) {
+    #[cfg(target_arch = "x86_64")]
+    if r == Rounding::F16 && crate::fastmath::has_avx512() {
+        // SAFETY: the CPU has avx512f (checked)
+        unsafe { kernel::round_f16_in_place(bits) };
+        return;
+    }
     crate::simd_dispatch!(round_in_place_avx512, round_in_place_impl, (bits, r))
 }
 
