@@ -60,6 +60,7 @@ fn thirty_steps_with_every_part_then_bitwise_resume() {
         ("metrics.png", "on"),
         ("metrics.console", "on"),
         ("monitor.detectors", "on"),
+        ("metrics.update_norms_every", "3"),
     ])
     .unwrap();
     cfg.checkpoint.dir = Some(root.join("ckpt"));
@@ -129,8 +130,6 @@ fn thirty_steps_with_every_part_then_bitwise_resume() {
             ("step_time_max_s", m.step_time_max_s.is_some()),
             ("straggler_rank", m.straggler_rank.is_some()),
             ("rank_step_time_s", m.rank_step_time_s.len() == 4),
-            ("param_norm", m.param_norm.is_some_and(|v| v > 0.0)),
-            ("update_param_ratio", m.update_param_ratio.is_some()),
             ("skipped_steps", m.skipped_steps.is_some()),
             ("mem_rss_bytes", m.mem_rss_bytes.is_some()),
             ("mem_peak_bytes", m.mem_peak_bytes.is_some()),
@@ -148,6 +147,19 @@ fn thirty_steps_with_every_part_then_bitwise_resume() {
         }
         let missing: Vec<&str> = have.iter().filter(|(_, ok)| !ok).map(|(n, _)| *n).collect();
         assert!(missing.is_empty(), "step {}: missing {missing:?}", m.step);
+        // the update norms on the applied steps `metrics.update_norms_every` (3) names, only
+        let due = stepped && m.step % 3 == 0;
+        assert_eq!(
+            (
+                m.param_norm.is_some_and(|v| v > 0.0),
+                m.update_param_ratio.is_some()
+            ),
+            (due, due),
+            "step {}: param_norm {:?}, update_param_ratio {:?}",
+            m.step,
+            m.param_norm,
+            m.update_param_ratio
+        );
         assert_eq!(
             m.loss.unwrap() as f32,
             losses[i],

@@ -193,6 +193,9 @@ impl<M: TrainModel> Trainer<M> {
         let apply =
             !preview.found_inf && decision.as_ref().is_none_or(|d| d.action.applies_update());
         let (report, applied) = if apply {
+            let every = self.cfg.metrics.update_norms_every;
+            self.engine
+                .set_update_norms(every > 0 && step.is_multiple_of(every));
             (self.engine.apply(lr)?, true)
         } else {
             (self.engine.discard()?, false)
