@@ -924,8 +924,8 @@ mod tests {
         }
     }
 
-    /// Rounding packed panels in place (the f16 one through the hardware conversions, 16 at a
-    /// time) is bitwise the scalar rounding, NaN included, over every upper half of the f32
+    /// Rounding packed panels in place or as they are copied (the f16 one through the
+    /// hardware conversions, 16 at a time) is bitwise the scalar rounding, NaN included, over every upper half of the f32
     /// bits with lower halves at and around the rounding boundaries, and a length with a tail.
     #[test]
     fn rounding_in_place_is_the_scalar_rounding() {
@@ -941,12 +941,17 @@ mod tests {
             (Rounding::F16, crate::fastmath::round_f16),
             (Rounding::Bf16, crate::fastmath::round_bf16),
         ];
+        let values: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
         for (r, scalar) in scalars {
             let mut got = bits.clone();
             pack::round_in_place(&mut got, r);
-            for (&x, &g) in bits.iter().zip(&got) {
+            // and rounded as copied, into a buffer holding anything
+            let mut copied = vec![0xdead_beef_u32; bits.len()];
+            pack::round_into(&mut copied, &values, r);
+            for ((&x, &g), &c) in bits.iter().zip(&got).zip(&copied) {
                 let want = scalar(f32::from_bits(x)).to_bits();
                 assert_eq!(g, want, "{r:?} {x:#010x}");
+                assert_eq!(c, want, "{r:?} {x:#010x}, rounded as copied");
             }
         }
     }

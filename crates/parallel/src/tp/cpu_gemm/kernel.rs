@@ -277,3 +277,31 @@ pub(super) unsafe fn round_f16_in_place(bits: &mut [u32]) {
         *b = crate::fastmath::round_f16(f32::from_bits(*b)).to_bits();
     }
 }
+
+/// [`round_f16_in_place`] from `src` into `dst` (as bits; the shorter's length): a copy and
+/// the rounding in one pass.
+///
+/// # Safety
+/// The CPU must have avx512f.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn round_f16_into(dst: &mut [u32], src: &[f32]) {
+    let len = dst.len().min(src.len());
+    let (dst, src) = (&mut dst[..len], &src[..len]);
+    let mut chunks = dst.chunks_exact_mut(16).zip(src.chunks_exact(16));
+    for (d, s) in &mut chunks {
+        // SAFETY: both chunks hold 16 values
+        unsafe {
+            let v = _mm512_loadu_ps(s.as_ptr());
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            _mm512_storeu_ps(
+                d.as_mut_ptr() as *mut f32,
+                _mm512_mask_blend_ps(nan, _mm512_cvtph_ps(h), v),
+            );
+        }
+    }
+    let done = len - len % 16;
+    for (d, &v) in dst[done..].iter_mut().zip(&src[done..]) {
+        *d = crate::fastmath::round_f16(v).to_bits();
+    }
+}
