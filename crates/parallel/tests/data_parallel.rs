@@ -447,6 +447,50 @@ fn an_overflow_on_one_rank_makes_every_rank_skip() {
     }
 }
 
+/// Without loss scaling (nothing to unscale) the inf or NaN is found by the exact norm's pass
+/// alone: an infinite gradient on one rank still makes every rank skip, with no norm,
+/// parameters untouched.
+#[test]
+fn an_overflow_without_loss_scaling_makes_every_rank_skip() {
+    for stage in [Stage::Replicated, Stage::Zero1, Stage::Zero3] {
+        let outs = run_ranks(2, |comm| {
+            let mut engine = DataParallel::new(&params(), &comm, cfg(stage))?;
+            let before = engine.full_params()?;
+            let mut scaler = NoScaler;
+            let (x, y) = batch(0, comm.rank() * 4, comm.rank() * 4 + 4);
+            let model = Poisoned {
+                poison: comm.rank() == 1,
+            };
+            let p = engine.backward(&model, &[(x.clone(), y.clone())], &mut scaler)?;
+            engine.discard()?;
+            let after = engine.full_params()?;
+            // and a clean step afterwards has its norm
+            let q = engine.backward(&Toy, &[(x, y)], &mut scaler)?;
+            engine.apply(LR)?;
+            Ok((
+                p.found_inf,
+                p.grad_norm,
+                before == after,
+                q.found_inf,
+                q.grad_norm,
+            ))
+        });
+        for (found, norm, unchanged, found2, norm2) in outs {
+            assert!(found, "{stage:?}: the overflow of rank 1 was not found");
+            assert_eq!(norm, None, "{stage:?}");
+            assert!(
+                unchanged,
+                "{stage:?}: a skipped step must not touch the parameters"
+            );
+            assert!(!found2, "{stage:?}");
+            assert!(
+                norm2.is_some_and(|n| n.is_finite() && n > 0.0),
+                "{stage:?}: {norm2:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn mismatched_parameter_lists_are_errors() {
     let r = kiln_testkit::try_run_ranks(1, kiln_testkit::TEST_TIMEOUT, |comm| {

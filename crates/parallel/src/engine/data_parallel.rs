@@ -632,25 +632,38 @@ impl DataParallel {
         let t_opt = Instant::now();
         // unscale (and average micro-batches), check for inf/NaN on what this rank owns
         let inv = 1.0 / (scale * accum as f32);
-        let mut found_inf = false;
         let threads = self.host_threads();
-        for u in 0..self.layout.units().len() {
-            found_inf |= host::unscale_and_check_par(self.owned_grads_mut(u), inv, threads);
-        }
-        if self.cfg.stage == Stage::Replicated {
-            // the rest of the replicated buffer is needed by the optimizer too
-            for u in 0..self.layout.units().len() {
-                let len = self.grads[u].len();
-                let c = chunk_range(len, self.dp_size, self.dp_rank);
-                let g = &mut self.grads[u];
-                let (head, tail) = g.split_at_mut(c.start);
-                unscale_and_check(head, inv);
-                unscale_and_check(&mut tail[c.len()..], inv);
+        // with nothing to unscale, the exact norm's pass finds any inf or NaN itself (its square
+        // sum keeps them; the norm of finite f32 values is finite), and every rank gets the same
+        // norm: one read of every gradient fewer (the check was 0.7% of a d512 f32 step)
+        let norm_first = if inv == 1.0 {
+            Some(self.global_norm()?)
+        } else {
+            None
+        };
+        let found_inf = match norm_first {
+            Some(n) => !n.is_finite(),
+            None => {
+                let mut found_inf = false;
+                for u in 0..self.layout.units().len() {
+                    found_inf |= host::unscale_and_check_par(self.owned_grads_mut(u), inv, threads);
+                }
+                if self.cfg.stage == Stage::Replicated {
+                    // the rest of the replicated buffer is needed by the optimizer too
+                    for u in 0..self.layout.units().len() {
+                        let len = self.grads[u].len();
+                        let c = chunk_range(len, self.dp_size, self.dp_rank);
+                        let g = &mut self.grads[u];
+                        let (head, tail) = g.split_at_mut(c.start);
+                        unscale_and_check(head, inv);
+                        unscale_and_check(&mut tail[c.len()..], inv);
+                    }
+                }
+                match &self.world {
+                    Some(w) => kiln_precision::all_reduce_found_inf(&**w, found_inf)?,
+                    None => kiln_precision::all_reduce_found_inf(&*self.comm, found_inf)?,
+                }
             }
-        }
-        let found_inf = match &self.world {
-            Some(w) => kiln_precision::all_reduce_found_inf(&**w, found_inf)?,
-            None => kiln_precision::all_reduce_found_inf(&*self.comm, found_inf)?,
         };
         let loss_local = loss_sum / accum as f64;
         let loss = self.comm.all_reduce_scalar(loss_local, ReduceOp::Avg)? as f32;
@@ -658,7 +671,10 @@ impl DataParallel {
         let grad_norm = if found_inf {
             None
         } else {
-            Some(self.global_norm()?)
+            match norm_first {
+                Some(n) => Some(n),
+                None => Some(self.global_norm()?),
+            }
         };
         let preview = StepPreview {
             loss,
