@@ -36,8 +36,14 @@
 //! let x = Var::new(&[1f32, 2.0], &Device::Cpu)?;
 //! let (y, tape) = kiln_memory::tape::record(|| kiln_memory::tape::apply_op1(x.as_tensor(), Double));
 //! let y = y?;
-//! let grads = tape.backward(&y, Tensor::new(&[1f32, 10.0], &Device::Cpu)?)?.expect("covered");
-//! assert_eq!(grads.get(x.as_tensor()).expect("dx").to_vec1::<f32>()?, vec![2.0, 20.0]);
+//! let seed = Tensor::new(&[1f32, 10.0], &Device::Cpu)?;
+//! let Some(grads) = tape.backward(&y, seed)? else {
+//!     return Err(candle_core::Error::msg("the tape does not cover y"));
+//! };
+//! let Some(dx) = grads.get(x.as_tensor()) else {
+//!     return Err(candle_core::Error::msg("no gradient for x"));
+//! };
+//! assert_eq!(dx.to_vec1::<f32>()?, vec![2.0, 20.0]);
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
