@@ -54,6 +54,28 @@ unsafe fn store(c: [[__m512; 2]; MR], d: &Dst) {
     }
 }
 
+/// Units of `B` ahead of the one being multiplied whose two cache lines the kernels ask into
+/// L1 ([`prefetch_unit`]): a packed panel block comes from L2 (the micro-tile's rows of `A`
+/// stay in L1 across the block's panels), and the hardware's own prefetch left the FMAs
+/// waiting on it. Measured on an Emerald Rapids Xeon, 2 threads, each product alternated
+/// with and without in one process at d512's shapes: 4-8% more GFLOP/s on every forward,
+/// input-gradient and weight-gradient product (for example the QKV forward 278 → 291, the
+/// vocabulary product's input gradient 234 → 253); 8, 16 and 24 units ahead measured alike.
+const PREFETCH_UNITS: usize = 16;
+
+/// Asks for the 128 bytes of one unit of a `B` panel (`NR` f32 values or bf16 pairs) at `p`
+/// into L1. A hint only: an address past the panel's end reads nothing and cannot fault.
+#[inline(always)]
+fn prefetch_unit(p: *const f32) {
+    let p = p as *const i8;
+    // SAFETY: `prefetcht0` has no architectural effect beyond the caches and never faults;
+    // SSE is part of x86_64
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>(p);
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+    }
+}
+
 /// `tile (+)= A B` over `units` bf16 pairs: pair `(r, q)` of `A` is the u32 at u16 offset
 /// `r * ars + q * aqs` from `a`, unit `q` of `B` the 32 pairs at `b + q * NR`.
 ///
@@ -79,6 +101,7 @@ pub(super) unsafe fn tile_bf16(
                 as_bh(_mm512_loadu_si512(b.add(q * NR + 16) as *const __m512i)),
             )
         };
+        prefetch_unit(b.wrapping_add((q + PREFETCH_UNITS) * NR) as *const f32);
         for (r, cr) in c.iter_mut().enumerate() {
             // SAFETY: in bounds by the caller's contract; the pair may be unaligned
             let pair = unsafe { (a.add(r * ars + q * aqs) as *const u32).read_unaligned() };
@@ -117,6 +140,7 @@ pub(super) unsafe fn tile_f32(
                 _mm512_loadu_ps(b.add(kk * bks + 16)),
             )
         };
+        prefetch_unit(b.wrapping_add((kk + PREFETCH_UNITS) * bks));
         for (r, cr) in c.iter_mut().enumerate() {
             // SAFETY: in bounds by the caller's contract
             let av = _mm512_set1_ps(unsafe { *a.add(r * ars + kk * aks) });
