@@ -712,6 +712,16 @@ fn gemm<F: Float, const FMA: bool, const X86: u8, const MR: usize, const NR: usi
             for (kk, apk) in ap.chunks_exact_mut(MR).enumerate() {
                 apk[..rows].copy_from_slice(&ad[i0 + kk * acs..][..rows]);
             }
+        } else if acs == 1
+            && match (as_f32(&ad[i0 * ars..]), as_f32_mut(ap)) {
+                // rows with their units adjacent (`q`, `dO`, `P`, `dS`): a transpose
+                (Some(a), Some(p)) => {
+                    kiln_parallel::fastmath::transpose_f32(a, (rows, k, ars), p, MR)
+                }
+                _ => false,
+            }
+        {
+            // packed by the transpose
         } else {
             for (kk, apk) in ap.chunks_exact_mut(MR).enumerate() {
                 for (r, v) in apk.iter_mut().enumerate().take(rows) {
@@ -790,6 +800,12 @@ fn transpose<T: Elem>(src: &[T], t: usize, dh: usize, rs: usize, dst: &mut Vec<T
     const BLOCK: usize = 16;
     dst.clear();
     dst.resize(t * dh, <T::F as Float>::ZERO);
+    // f32 rows need no widening: 8 x 8 blocks on the vector unit
+    if let (Some(s), Some(d)) = (as_f32(src), as_f32_mut(dst)) {
+        if kiln_parallel::fastmath::transpose_f32(s, (t, dh, rs), d, t) {
+            return;
+        }
+    }
     for j0 in (0..t).step_by(BLOCK) {
         let jn = BLOCK.min(t - j0);
         let mut rows: [&[T]; BLOCK] = [&[]; BLOCK];
@@ -801,6 +817,26 @@ fn transpose<T: Elem>(src: &[T], t: usize, dh: usize, rs: usize, dst: &mut Vec<T
                 *o = r[d].load();
             }
         }
+    }
+}
+
+/// `x` as f32 values, where its element type is f32.
+#[inline(always)]
+fn as_f32<T: 'static>(x: &[T]) -> Option<&[f32]> {
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
+        // SAFETY: `T` is f32 (the type ids are equal): same layout, same length
+        .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()) })
+}
+
+/// `x` as mutable f32 values, where its element type is f32.
+#[inline(always)]
+fn as_f32_mut<T: 'static>(x: &mut [T]) -> Option<&mut [f32]> {
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+        // SAFETY: `T` is f32 (the type ids are equal): same layout, same length, and the
+        // borrow of `x` is moved into the result
+        Some(unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut f32, x.len()) })
+    } else {
+        None
     }
 }
 

@@ -234,49 +234,6 @@ pub(super) unsafe fn pairs_strided(
     }
 }
 
-/// The 8 x 8 block of f32 values `src[i * ss + j]` (`i, j < 8`) transposed into
-/// `dst[j * ds + i]`, as bits: the classic unpack, shuffle and lane-permute sequence.
-///
-/// # Safety
-/// The CPU must have AVX2; `src` must hold 8 readable values at each `i * ss` and `dst` 8
-/// writable ones at each `j * ds`.
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn transpose_8x8(src: *const f32, ss: usize, dst: *mut u32, ds: usize) {
-    // SAFETY: in bounds by the caller's contract
-    unsafe {
-        let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(src.add(i * ss)));
-        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-        let u1 = _mm256_shuffle_ps::<0xee>(t0, t2);
-        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-        let u3 = _mm256_shuffle_ps::<0xee>(t1, t3);
-        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-        let u5 = _mm256_shuffle_ps::<0xee>(t4, t6);
-        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-        let u7 = _mm256_shuffle_ps::<0xee>(t5, t7);
-        let rows = [
-            _mm256_permute2f128_ps::<0x20>(u0, u4),
-            _mm256_permute2f128_ps::<0x20>(u1, u5),
-            _mm256_permute2f128_ps::<0x20>(u2, u6),
-            _mm256_permute2f128_ps::<0x20>(u3, u7),
-            _mm256_permute2f128_ps::<0x31>(u0, u4),
-            _mm256_permute2f128_ps::<0x31>(u1, u5),
-            _mm256_permute2f128_ps::<0x31>(u2, u6),
-            _mm256_permute2f128_ps::<0x31>(u3, u7),
-        ];
-        for (j, row) in rows.iter().enumerate() {
-            _mm256_storeu_ps(dst.add(j * ds) as *mut f32, *row);
-        }
-    }
-}
-
 /// f32 values (as bits) rounded in place to f16 values (nearest even, beyond f16's range to
 /// infinity) and widened back, 16 at a time through the hardware conversions
 /// (`vcvtps2ph`, `vcvtph2ps`); NaN lanes are kept as they are, so every lane is bitwise

@@ -518,10 +518,10 @@ fn panel_from_rows(rows: &[u32], rs: usize, units: usize, panel: &mut [u32]) -> 
                 // holds rows `q0 .. q0 + 8` of 32 (its length checked above); the kernel only
                 // moves bits
                 unsafe {
-                    kernel::transpose_8x8(
+                    crate::fastmath::transpose_8x8(
                         rows.as_ptr().add(c8 * rs + q0) as *const f32,
                         rs,
-                        panel.as_mut_ptr().add(q0 * NR + c8),
+                        panel.as_mut_ptr().add(q0 * NR + c8) as *mut f32,
                         NR,
                     )
                 };
