@@ -13,6 +13,15 @@ fn grad<'a>(
         .ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))
 }
 
+/// The bits of an f32 tensor's values, in order.
+fn bits(t: &Tensor) -> candle_core::Result<Vec<u32>> {
+    Ok(t.flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(f32::to_bits)
+        .collect())
+}
+
 fn rand(shape: &[usize], seed: u64) -> Vec<f64> {
     let n: usize = shape.iter().product();
     let mut s = seed
@@ -171,13 +180,6 @@ fn rounded_precision_is_f32_on_rounded_operands(
     let want_y = linear_cpu(&xr, &wr, None)?;
     let want_dx = linear_cpu(&upr, &wr.t()?.contiguous()?, None)?;
     let want_dw = linear_cpu(&upr.t()?.contiguous()?, &xr.t()?.contiguous()?, None)?;
-    let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
-        Ok(t.flatten_all()?
-            .to_vec1::<f32>()?
-            .into_iter()
-            .map(f32::to_bits)
-            .collect())
-    };
     let close = |a: &Tensor, b: &Tensor| -> candle_core::Result<f64> {
         (a - b)?
             .abs()?
@@ -228,13 +230,6 @@ fn add_bias_matches_broadcast_add() -> candle_core::Result<()> {
     )?;
     let mine = add_bias_cpu(yv.as_tensor(), bv.as_tensor())?;
     let theirs = yv.as_tensor().broadcast_add(bv.as_tensor())?;
-    let bits = |x: &Tensor| -> candle_core::Result<Vec<u32>> {
-        Ok(x.flatten_all()?
-            .to_vec1::<f32>()?
-            .into_iter()
-            .map(f32::to_bits)
-            .collect())
-    };
     assert_eq!(bits(&mine)?, bits(&theirs)?);
     let gm = (&mine * &up)?.sum_all()?.backward()?;
     let gt = (&theirs * &up)?.sum_all()?.backward()?;
