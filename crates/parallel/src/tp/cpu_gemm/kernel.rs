@@ -243,20 +243,9 @@ pub(super) unsafe fn pairs_strided(
 /// The CPU must have avx512f.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn round_f16_in_place(bits: &mut [u32]) {
-    let mut chunks = bits.chunks_exact_mut(16);
-    for c in &mut chunks {
-        let p = c.as_mut_ptr() as *mut f32;
-        // SAFETY: the chunk holds 16 values
-        unsafe {
-            let v = _mm512_loadu_ps(p);
-            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            _mm512_storeu_ps(p, _mm512_mask_blend_ps(nan, _mm512_cvtph_ps(h), v));
-        }
-    }
-    for b in chunks.into_remainder() {
-        *b = crate::fastmath::round_f16(f32::from_bits(*b)).to_bits();
-    }
+    let p = bits.as_mut_ptr();
+    // SAFETY: `bits` holds `len` values, read and written through the one pointer
+    unsafe { round_f16_raw(p as *const f32, p, bits.len()) }
 }
 
 /// [`round_f16_in_place`] from `src` into `dst` (as bits; the shorter's length): a copy and
@@ -267,22 +256,33 @@ pub(super) unsafe fn round_f16_in_place(bits: &mut [u32]) {
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn round_f16_into(dst: &mut [u32], src: &[f32]) {
     let len = dst.len().min(src.len());
-    let (dst, src) = (&mut dst[..len], &src[..len]);
-    let mut chunks = dst.chunks_exact_mut(16).zip(src.chunks_exact(16));
-    for (d, s) in &mut chunks {
-        // SAFETY: both chunks hold 16 values
+    // SAFETY: both slices hold `len` values; a `&mut` and a `&` never overlap
+    unsafe { round_f16_raw(src.as_ptr(), dst.as_mut_ptr(), len) }
+}
+
+/// The rounding of [`round_f16_in_place`] from `len` values at `src` to `len` bit patterns at
+/// `dst` (the same memory, or apart): each group of 16 is read whole before it is written.
+///
+/// # Safety
+/// The CPU must have avx512f; `src` must hold `len` readable values and `dst` `len` writable
+/// ones, either the same memory or not overlapping.
+#[target_feature(enable = "avx512f")]
+unsafe fn round_f16_raw(src: *const f32, dst: *mut u32, len: usize) {
+    let done = len - len % 16;
+    for i in (0..done).step_by(16) {
+        // SAFETY: values i .. i + 16 <= len lie in both (the caller's contract)
         unsafe {
-            let v = _mm512_loadu_ps(s.as_ptr());
+            let v = _mm512_loadu_ps(src.add(i));
             let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
             let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
             _mm512_storeu_ps(
-                d.as_mut_ptr() as *mut f32,
+                dst.add(i) as *mut f32,
                 _mm512_mask_blend_ps(nan, _mm512_cvtph_ps(h), v),
             );
         }
     }
-    let done = len - len % 16;
-    for (d, &v) in dst[done..].iter_mut().zip(&src[done..]) {
-        *d = crate::fastmath::round_f16(v).to_bits();
+    for i in done..len {
+        // SAFETY: i < len (the caller's contract)
+        unsafe { *dst.add(i) = crate::fastmath::round_f16(*src.add(i)).to_bits() };
     }
 }

@@ -488,54 +488,32 @@ impl Packing<'_> {
 }
 
 /// A full panel of a transposed f32 `B` (`rs == 1`: each of the panel's 32 columns is a
-/// contiguous run of `k` values `cs` apart from the next) through [`panel_from_rows`]. Returns
-/// false, writing nothing, where that does not apply (the caller then packs value by value; the
-/// scalar transpose's strided stores took 2.4% of a d512 f32 step).
+/// contiguous run of `k` values `cs` apart from the next) through
+/// [`crate::fastmath::transpose_f32`]. Returns false, writing nothing, where that does not
+/// apply (the caller then packs value by value; the scalar transpose's strided stores took 2.4%
+/// of a d512 f32 step).
 fn transposed_f32_panel(b: &Mat<'_, f32>, k: usize, c0: usize, panel: &mut [u32]) -> bool {
     let Some(cols) = b.data.get(c0 * b.cs..) else {
         return false;
     };
-    // SAFETY: f32 and u32 have one size and alignment, and every bit pattern is a u32; the view
-    // lives no longer than `cols`
-    let bits = unsafe { std::slice::from_raw_parts(cols.as_ptr() as *const u32, cols.len()) };
-    panel_from_rows(bits, b.cs, k, panel)
+    crate::fastmath::transpose_f32(cols, (NR, k, b.cs), bits_as_f32(panel), NR)
 }
 
-/// `panel[q * NR + c] = rows[c * rs + q]` for the 32 rows `c` and `q < units`: a transpose in
-/// 8 x 8 blocks on the vector unit, the last `units % 8` value by value. Returns false, writing
-/// nothing, where the CPU lacks AVX2 or the rows leave `rows` or the panel is short.
+/// `panel[q * NR + c] = rows[c * rs + q]` for the 32 rows `c` and `q < units`: a transpose
+/// ([`crate::fastmath::transpose_f32`], 8 x 8 blocks on the vector unit) of the values as bits.
+/// Returns false, writing nothing, where the rows leave `rows` or the panel is short.
 fn panel_from_rows(rows: &[u32], rs: usize, units: usize, panel: &mut [u32]) -> bool {
-    if (NR - 1) * rs + units > rows.len() || panel.len() < units * NR {
-        return false;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if crate::fastmath::has_avx512() {
-        let full = units / 8 * 8;
-        for q0 in (0..full).step_by(8) {
-            for c8 in (0..NR).step_by(8) {
-                // SAFETY: the CPU has AVX-512F, so AVX2 (checked); rows `c8 .. c8 + 8` hold
-                // units `q0 .. q0 + 8 <= units` (their reach checked above), and the panel
-                // holds rows `q0 .. q0 + 8` of 32 (its length checked above); the kernel only
-                // moves bits
-                unsafe {
-                    crate::fastmath::transpose_8x8(
-                        rows.as_ptr().add(c8 * rs + q0) as *const f32,
-                        rs,
-                        panel.as_mut_ptr().add(q0 * NR + c8) as *mut f32,
-                        NR,
-                    )
-                };
-            }
-        }
-        for q in full..units {
-            for c in 0..NR {
-                panel[q * NR + c] = rows[c * rs + q];
-            }
-        }
-        return true;
-    }
-    let _ = rs;
-    false
+    // SAFETY: u32 and f32 have one size and alignment and every bit pattern is valid in both;
+    // the view covers the slice exactly and lives no longer than its borrow
+    let src = unsafe { std::slice::from_raw_parts(rows.as_ptr() as *const f32, rows.len()) };
+    crate::fastmath::transpose_f32(src, (NR, units, rs), bits_as_f32(panel), NR)
+}
+
+/// Bit patterns seen as f32 values, to be moved (a copy keeps every bit pattern).
+fn bits_as_f32(bits: &mut [u32]) -> &mut [f32] {
+    // SAFETY: u32 and f32 have one size and alignment and every bit pattern is valid in both;
+    // the view covers the slice exactly and takes over its borrow
+    unsafe { std::slice::from_raw_parts_mut(bits.as_mut_ptr() as *mut f32, bits.len()) }
 }
 
 thread_local! {
