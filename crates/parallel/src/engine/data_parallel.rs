@@ -668,13 +668,10 @@ impl DataParallel {
         let loss_local = loss_sum / accum as f64;
         let loss = self.comm.all_reduce_scalar(loss_local, ReduceOp::Avg)? as f32;
         let scale_event = scaler.update(found_inf)?;
-        let grad_norm = if found_inf {
-            None
-        } else {
-            match norm_first {
-                Some(n) => Some(n),
-                None => Some(self.global_norm()?),
-            }
+        let grad_norm = match (found_inf, norm_first) {
+            (true, _) => None,
+            (false, Some(n)) => Some(n),
+            (false, None) => Some(self.global_norm()?),
         };
         let preview = StepPreview {
             loss,
