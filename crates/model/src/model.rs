@@ -896,6 +896,13 @@ impl Gpt {
         }
         let targets = targets.flatten_all()?;
         match &self.tp {
+            // on the CPU the head and the loss as one graph node, as below with one rank
+            None if x.device().is_cpu() => {
+                let (h, w) = self.head_operands(x, p)?;
+                Ok(self.in_precision(|| {
+                    tpops::linear_cross_entropy(&h, &w, &targets, self.opts.ignore_index)
+                })?)
+            }
             None => ops::cross_entropy(
                 &self.head_rows_local(x, p)?,
                 &targets,

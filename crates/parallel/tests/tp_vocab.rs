@@ -11,7 +11,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use kiln_comm::Communicator;
 use kiln_parallel::tp::{
-    shard_vocab, vocab_parallel_cross_entropy, vocab_parallel_embedding,
+    linear_cross_entropy, shard_vocab, vocab_parallel_cross_entropy, vocab_parallel_embedding,
     vocab_parallel_linear_cross_entropy, vocab_parallel_logits, with_matmul_precision,
     MatmulPrecision, TpComm, VocabParallelEmbedding,
 };
@@ -192,6 +192,21 @@ fn bits(t: &Tensor) -> Vec<u64> {
     f64s(t).iter().map(|v| v.to_bits()).collect()
 }
 
+/// The dtypes and matmul precisions the fused head is checked at: f32 at both precisions, f64
+/// and bf16.
+const HEAD_CASES: [(DType, MatmulPrecision); 4] = [
+    (DType::F32, MatmulPrecision::Highest),
+    (DType::F32, MatmulPrecision::Bf16),
+    (DType::F64, MatmulPrecision::Highest),
+    (DType::BF16, MatmulPrecision::Highest),
+];
+
+/// The fused vocab-parallel head and cross-entropy of `x` and `w` (this rank's rows), target 5
+/// ignored.
+fn fused_head(x: &Var, w: &Var, targets: &Tensor, comm: &TpComm) -> kiln_parallel::Result<Tensor> {
+    vocab_parallel_linear_cross_entropy(x.as_tensor(), w.as_tensor(), targets, Some(5), comm)
+}
+
 /// The fused head and cross-entropy gives bitwise the loss and the gradients of `x` and of
 /// the weight that the two ops give: tp 1 and 2, f32 at both matmul precisions, f64 and bf16,
 /// an ignored target, and a loss scaled before the backward (an incoming gradient of 4).
@@ -200,13 +215,7 @@ fn fused_head_cross_entropy_is_bitwise_the_two_ops() {
     let (n, v, d) = (TARGETS.len(), 64, 24);
     let x0 = uniform(&[n, d], 11, 1.0);
     let w0 = uniform(&[v, d], 12, 1.0);
-    let cases = [
-        (DType::F32, MatmulPrecision::Highest),
-        (DType::F32, MatmulPrecision::Bf16),
-        (DType::F64, MatmulPrecision::Highest),
-        (DType::BF16, MatmulPrecision::Highest),
-    ];
-    for (dtype, precision) in cases {
+    for (dtype, precision) in HEAD_CASES {
         for world in [1, 2] {
             let outs = run_ranks(world, |comm| {
                 let comm = tp(comm);
@@ -217,13 +226,7 @@ fn fused_head_cross_entropy_is_bitwise_the_two_ops() {
                 let run = |fused: bool| -> kiln_parallel::Result<Vec<Vec<u64>>> {
                     let l = with_matmul_precision(precision, || {
                         if fused {
-                            vocab_parallel_linear_cross_entropy(
-                                x.as_tensor(),
-                                w.as_tensor(),
-                                &targets,
-                                Some(5),
-                                &comm,
-                            )
+                            fused_head(&x, &w, &targets, &comm)
                         } else {
                             let logits =
                                 vocab_parallel_logits(x.as_tensor(), w.as_tensor(), &comm)?;
@@ -242,6 +245,75 @@ fn fused_head_cross_entropy_is_bitwise_the_two_ops() {
             }
         }
     }
+}
+
+/// The head and cross-entropy over a whole vocabulary, with no communicator, is bitwise the
+/// fused vocab-parallel op on one rank (loss, gradients of `x` and of the weight, the cases
+/// above), and its loss and gradients match the dense log-softmax NLL of `x w^T` written with
+/// candle ops: within 1e-6 relative (loss) and 1e-5 absolute (gradients) in f32, 1e-12 and
+/// 1e-10 in f64.
+#[test]
+fn whole_vocabulary_head_cross_entropy_is_the_one_rank_fused_op_and_the_dense_nll() {
+    let (n, v, d) = (TARGETS.len(), 64, 24);
+    let x0 = uniform(&[n, d], 21, 1.0);
+    let w0 = uniform(&[v, d], 22, 1.0);
+    let targets = Tensor::new(&TARGETS, &Device::Cpu).unwrap();
+    for (dtype, precision) in HEAD_CASES {
+        let x = Var::from_tensor(&x0.to_dtype(dtype).unwrap()).unwrap();
+        let w = Var::from_tensor(&w0.to_dtype(dtype).unwrap()).unwrap();
+        let comm = tp(kiln_comm::ThreadComm::group(1, Default::default())
+            .unwrap()
+            .remove(0));
+        let run = |whole: bool| -> Vec<Tensor> {
+            let l = with_matmul_precision(precision, || {
+                if whole {
+                    linear_cross_entropy(x.as_tensor(), w.as_tensor(), &targets, Some(5))
+                } else {
+                    fused_head(&x, &w, &targets, &comm)
+                }
+            })
+            .unwrap();
+            let g = (&l * 4.0).unwrap().backward().unwrap();
+            vec![l, grad(&g, &x), grad(&g, &w)]
+        };
+        let (whole, one_rank) = (run(true), run(false));
+        for (what, (a, b)) in ["loss", "dx", "dw"].iter().zip(whole.iter().zip(&one_rank)) {
+            assert_eq!(bits(a), bits(b), "{what}: {dtype:?} {precision:?}");
+        }
+        if precision != MatmulPrecision::Highest || dtype == DType::BF16 {
+            continue;
+        }
+        let (loss_rtol, grad_atol) = if dtype == DType::F64 {
+            (1e-12, 1e-10)
+        } else {
+            (1e-6, 1e-5)
+        };
+        let logits = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
+        let dense = dense_nll(&logits, &TARGETS, Some(5));
+        let g = (&dense * 4.0).unwrap().backward().unwrap();
+        println!(
+            "{dtype:?}: loss {} vs dense {}",
+            f64s(&whole[0])[0],
+            f64s(&dense)[0]
+        );
+        assert_close(&f64s(&whole[0]), &f64s(&dense), 0.0, loss_rtol);
+        assert_close(&f64s(&whole[1]), &f64s(&grad(&g, &x)), grad_atol, 0.0);
+        assert_close(&f64s(&whole[2]), &f64s(&grad(&g, &w)), grad_atol, 0.0);
+    }
+}
+
+/// The whole-vocabulary head refuses the same bad inputs, naming them.
+#[test]
+fn whole_vocabulary_head_cross_entropy_rejects_bad_shapes() {
+    let w = uniform(&[16, 8], 1, 1.0);
+    let targets = Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap();
+    let err = linear_cross_entropy(&uniform(&[3, 9], 2, 1.0), &w, &targets, None).unwrap_err();
+    assert!(err.to_string().contains("LM head input"), "{err}");
+    let err = linear_cross_entropy(&uniform(&[4, 8], 3, 1.0), &w, &targets, None).unwrap_err();
+    assert!(err.to_string().contains("cross-entropy targets"), "{err}");
+    let far = Tensor::new(&[1u32, 99, 3], &Device::Cpu).unwrap();
+    let err = linear_cross_entropy(&uniform(&[3, 8], 4, 1.0), &w, &far, None).unwrap_err();
+    assert!(err.to_string().contains("99 at position 1"), "{err}");
 }
 
 /// Inputs of the wrong shape are errors naming them, before any product runs.

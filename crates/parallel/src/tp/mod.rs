@@ -66,6 +66,6 @@ pub use ops::{
 };
 pub use shard::{shard_column, shard_qkv, shard_row, shard_vocab, vocab_range, TpSplit};
 pub use vocab::{
-    vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_parallel_linear_cross_entropy,
-    vocab_parallel_logits, VocabParallelEmbedding,
+    linear_cross_entropy, vocab_parallel_cross_entropy, vocab_parallel_embedding,
+    vocab_parallel_linear_cross_entropy, vocab_parallel_logits, VocabParallelEmbedding,
 };

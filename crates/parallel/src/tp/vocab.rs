@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod head;
-pub use head::vocab_parallel_linear_cross_entropy;
+pub use head::{linear_cross_entropy, vocab_parallel_linear_cross_entropy};
 
 /// The ids `wte_local` covers on this rank, and the whole vocabulary.
 fn local_range(wte_local: &Tensor, comm: &TpComm) -> Result<(Range<usize>, usize)> {
@@ -290,28 +290,13 @@ fn typed_row_stats<T: Logit>(
     x: &[T],
     v: usize,
     targets: &CeTargets,
-    comm: &TpComm,
+    group: Option<&TpComm>,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    let world = comm.world_size();
+    let split = group.filter(|c| c.world_size() > 1);
     let n = x.len() / v;
     let mut max = vec![T::A::NEG_INFINITY; n];
     let mut sums = vec![T::A::ZERO; 2 * n];
-    if world == 1 {
-        let mut pairs = vec![(T::A::ZERO, T::A::ZERO); n];
-        let ok = par_rows(x, v, &mut pairs, 1, |_, xs, out| {
-            for (row, o) in xs.chunks_exact(v).zip(out) {
-                let m = max_of(row);
-                *o = (m, exp_sum(row, m));
-            }
-        });
-        if !ok {
-            return Err(pool_failed().into());
-        }
-        for (r, (m, s)) in pairs.into_iter().enumerate() {
-            max[r] = m;
-            sums[r] = s;
-        }
-    } else {
+    if let Some(comm) = split {
         let ok = par_rows(x, v, &mut max, 1, |_, xs, out| {
             for (row, o) in xs.chunks_exact(v).zip(out) {
                 *o = max_of(row);
@@ -329,13 +314,28 @@ fn typed_row_stats<T: Logit>(
         if !ok {
             return Err(pool_failed().into());
         }
+    } else {
+        let mut pairs = vec![(T::A::ZERO, T::A::ZERO); n];
+        let ok = par_rows(x, v, &mut pairs, 1, |_, xs, out| {
+            for (row, o) in xs.chunks_exact(v).zip(out) {
+                let m = max_of(row);
+                *o = (m, exp_sum(row, m));
+            }
+        });
+        if !ok {
+            return Err(pool_failed().into());
+        }
+        for (r, (m, s)) in pairs.into_iter().enumerate() {
+            max[r] = m;
+            sums[r] = s;
+        }
     }
     for r in 0..n {
         if let Some(j) = targets.local(r) {
             sums[n + r] = x[r * v + j].load();
         }
     }
-    if world > 1 {
+    if let Some(comm) = split {
         comm.all_reduce(&mut sums, ReduceOp::Sum)?;
     }
     Ok((
@@ -345,12 +345,12 @@ fn typed_row_stats<T: Logit>(
 }
 
 /// The row maxima and `[sum of exp(logit - max) per row | target logit per row]` of the
-/// whole logits, reduced over the group.
+/// whole logits, reduced over the group (none when `group` is `None` or has one rank).
 fn reduced_row_stats(
     logits: &Tensor,
     v: usize,
     targets: &CeTargets,
-    comm: &TpComm,
+    group: Option<&TpComm>,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     let (storage, layout) = logits.storage_and_layout();
     #[cfg(feature = "cuda")]
@@ -374,16 +374,16 @@ fn reduced_row_stats(
     let c = |e| ParallelError::from(e);
     match cpu {
         CpuStorage::F32(x) => {
-            typed_row_stats(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, comm)
+            typed_row_stats(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, group)
         }
         CpuStorage::F16(x) => {
-            typed_row_stats(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, comm)
+            typed_row_stats(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, group)
         }
         CpuStorage::BF16(x) => {
-            typed_row_stats(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, comm)
+            typed_row_stats(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, group)
         }
         CpuStorage::F64(x) => {
-            typed_row_stats(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, comm)
+            typed_row_stats(contiguous(x, layout, CE_OP).map_err(c)?, v, targets, group)
         }
         other => Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), CE_OP).into()),
     }
@@ -439,20 +439,21 @@ pub fn vocab_parallel_cross_entropy(
     ignore_index: Option<u32>,
     comm: &TpComm,
 ) -> Result<Tensor> {
-    let (logits, stats) = ce_stats(logits_local, targets, ignore_index, comm)?;
+    let (logits, stats) = ce_stats(logits_local, targets, ignore_index, Some(comm))?;
     Ok(kiln_memory::tape::apply_op1(
         &logits,
         VocabCrossEntropy { stats },
     )?)
 }
 
-/// The checked, contiguous logits and their row statistics reduced over the group: what the
-/// cross-entropy's forward computes and its backward reuses.
+/// The checked, contiguous logits and their row statistics reduced over the group (`None`:
+/// this rank holds the whole vocabulary): what the cross-entropy's forward computes and its
+/// backward reuses.
 fn ce_stats(
     logits_local: &Tensor,
     targets: &Tensor,
     ignore_index: Option<u32>,
-    comm: &TpComm,
+    group: Option<&TpComm>,
 ) -> Result<(Tensor, Arc<CeStats>)> {
     let (n, v) = match logits_local.dims() {
         &[n, v] if v > 0 => (n, v),
@@ -472,7 +473,7 @@ fn ce_stats(
         });
     }
     let t = token_ids(targets, "cross-entropy targets")?;
-    let (world, rank) = (comm.world_size(), comm.rank());
+    let (world, rank) = group.map_or((1, 0), |c| (c.world_size(), c.rank()));
     let vocab = v * world;
     if let Some((index, &id)) = t
         .iter()
@@ -493,7 +494,7 @@ fn ce_stats(
     };
     let count = (0..n).filter(|&r| targets.counted(r)).count();
     let logits = logits_local.contiguous()?;
-    let (max, sums) = reduced_row_stats(&logits, v, &targets, comm)?;
+    let (max, sums) = reduced_row_stats(&logits, v, &targets, group)?;
     let lse = max.iter().zip(&sums).map(|(&m, &s)| m + s.ln()).collect();
     let target_logit = sums.get(n..).map(<[f64]>::to_vec).unwrap_or_default();
     let stats = Arc::new(CeStats {

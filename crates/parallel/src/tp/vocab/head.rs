@@ -1,6 +1,6 @@
 //! The tied LM head and the vocab-parallel cross-entropy as one graph node.
 
-use super::{ce_stats, CeStats, VocabCrossEntropyBwd};
+use super::{ce_stats, CeStats, VocabCrossEntropy, VocabCrossEntropyBwd};
 use crate::error::{ParallelError, Result};
 use crate::tp::dense::{bwd_tensors, linear_cpu, matmul_precision, MatmulPrecision};
 use crate::tp::ops::{copy_to_tp_region, TpComm};
@@ -30,21 +30,68 @@ pub fn vocab_parallel_linear_cross_entropy(
     ignore_index: Option<u32>,
     comm: &TpComm,
 ) -> Result<Tensor> {
-    let (_, d) = wte_local.dims2()?;
-    let n = match x.dims() {
-        &[n, xd] if xd == d => n,
-        dims => {
-            return Err(ParallelError::Param {
-                name: "LM head input".into(),
-                expected: format!("[n, {d}]"),
-                got: format!("{dims:?}"),
-            })
-        }
-    };
+    check_input(x, wte_local)?;
     if !x.device().is_cpu() || !wte_local.device().is_cpu() {
         let logits = vocab_parallel_logits(x, wte_local, comm)?;
         return vocab_parallel_cross_entropy(&logits, targets, ignore_index, comm);
     }
+    // what `vocab_parallel_logits` multiplies: `f(x)` and the weight in x's dtype
+    let x = copy_to_tp_region(x, comm)?;
+    fused(&x, wte_local, targets, ignore_index, Some(comm))
+}
+
+/// The LM head `x w^T` over the whole vocabulary and the mean cross-entropy of its logits
+/// against `targets`, as one graph node: with `x` `[n, d]`, `w` `[vocab, d]` (the tied
+/// embedding) and `targets` `[n]` (u32 ids, `ignore_index` left out of the mean), the loss
+/// is a scalar (f64 for f64 `x`, f32 otherwise).
+///
+/// [`vocab_parallel_linear_cross_entropy`] on one rank, bitwise, with no communicator: the
+/// logits' row statistics come from the vectorised one-pass kernels, and the backward hands
+/// the logits gradient straight to the head's two products (no zero-filled `[n, vocab]`
+/// gradient buffer for the logits, no addition into it). CPU tensors with a two-dimensional
+/// `x`; on another device it runs [`crate::tp::linear`] and the cross-entropy as two ops
+/// (the row statistics there are taken on the host).
+pub fn linear_cross_entropy(
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+) -> Result<Tensor> {
+    check_input(x, w)?;
+    if !x.device().is_cpu() || !w.device().is_cpu() {
+        let logits = crate::tp::linear(x, w, None)?;
+        let (logits, stats) = ce_stats(&logits, targets, ignore_index, None)?;
+        return Ok(kiln_memory::tape::apply_op1(
+            &logits,
+            VocabCrossEntropy { stats },
+        )?);
+    }
+    fused(x, w, targets, ignore_index, None)
+}
+
+/// `x` must be `[n, d]` for a weight `[rows, d]`.
+fn check_input(x: &Tensor, w: &Tensor) -> Result<()> {
+    let (_, d) = w.dims2()?;
+    match x.dims() {
+        &[_, xd] if xd == d => Ok(()),
+        dims => Err(ParallelError::Param {
+            name: "LM head input".into(),
+            expected: format!("[n, {d}]"),
+            got: format!("{dims:?}"),
+        }),
+    }
+}
+
+/// The head's product and the row statistics over `group` (`None`: the whole vocabulary
+/// here), recorded as one [`HeadCrossEntropy`] node; `x` is `[n, d]` on the CPU.
+fn fused(
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+    group: Option<&TpComm>,
+) -> Result<Tensor> {
+    let n = x.dims().first().copied().unwrap_or(0);
     if targets.dims() != [n] {
         return Err(ParallelError::Param {
             name: "cross-entropy targets".into(),
@@ -52,12 +99,11 @@ pub fn vocab_parallel_linear_cross_entropy(
             got: format!("{:?}", targets.dims()),
         });
     }
-    // what `vocab_parallel_logits` multiplies: `f(x)` and the weight in x's dtype, contiguous
-    let x = copy_to_tp_region(x, comm)?.contiguous()?;
-    let w = wte_local.to_dtype(x.dtype())?.contiguous()?;
+    let x = x.contiguous()?;
+    let w = w.to_dtype(x.dtype())?.contiguous()?;
     let precision = matmul_precision();
     let logits = linear_cpu(&x.detach(), &w.detach(), None)?;
-    let (logits, stats) = ce_stats(&logits, targets, ignore_index, comm)?;
+    let (logits, stats) = ce_stats(&logits, targets, ignore_index, group)?;
     Ok(kiln_memory::tape::apply_op2(
         &x,
         &w,
