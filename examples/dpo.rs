@@ -47,6 +47,10 @@ struct Args {
     resume: bool,
 }
 
+/// The flags `args` takes.
+const FLAGS: &str =
+    "--dp N --tp N --zero S --steps N --reward-steps N --beta B --lr LR --out DIR --resume";
+
 fn args() -> Result<Args> {
     let mut a = Args {
         dp: 2,
@@ -65,6 +69,10 @@ fn args() -> Result<Args> {
             a.resume = true;
             continue;
         }
+        if flag == "-h" || flag == "--help" {
+            println!("flags: {FLAGS}");
+            std::process::exit(0);
+        }
         let v = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--dp" => a.dp = v.parse()?,
@@ -75,10 +83,7 @@ fn args() -> Result<Args> {
             "--beta" => a.beta = v.parse()?,
             "--lr" => a.lr = v.parse()?,
             "--out" => a.out = PathBuf::from(v),
-            other => bail!(
-                "unknown flag {other}; flags: --dp N --tp N --zero S --steps N --reward-steps N \
-                 --beta B --lr LR --out DIR --resume"
-            ),
+            other => bail!("unknown flag {other}; flags: {FLAGS}"),
         }
     }
     if PAIRS_PER_STEP % a.dp != 0 {

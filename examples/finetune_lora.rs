@@ -38,6 +38,10 @@ struct Args {
     resume: bool,
 }
 
+/// The flags `args` takes.
+const FLAGS: &str =
+    "--from DIR --pretrain-steps N --steps N --dp N --tp N --rank R --lr LR --out DIR --resume";
+
 fn args() -> Result<Args> {
     let mut a = Args {
         from: None,
@@ -56,6 +60,10 @@ fn args() -> Result<Args> {
             a.resume = true;
             continue;
         }
+        if flag == "-h" || flag == "--help" {
+            println!("flags: {FLAGS}");
+            std::process::exit(0);
+        }
         let v = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--from" => a.from = Some(PathBuf::from(v)),
@@ -66,10 +74,7 @@ fn args() -> Result<Args> {
             "--rank" => a.rank = v.parse()?,
             "--lr" => a.lr = v.parse()?,
             "--out" => a.out = PathBuf::from(v),
-            other => bail!(
-                "unknown flag {other}; flags: --from DIR --pretrain-steps N --steps N --dp N \
-                 --tp N --rank R --lr LR --out DIR --resume"
-            ),
+            other => bail!("unknown flag {other}; flags: {FLAGS}"),
         }
     }
     Ok(a)

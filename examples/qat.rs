@@ -45,6 +45,9 @@ struct Args {
     out: PathBuf,
 }
 
+/// The flags `args` takes.
+const FLAGS: &str = "--from DIR --pretrain-steps N --steps N --dp N --lr LR --out DIR";
+
 fn args() -> Result<Args> {
     let mut a = Args {
         from: None,
@@ -56,6 +59,10 @@ fn args() -> Result<Args> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "-h" || flag == "--help" {
+            println!("flags: {FLAGS}");
+            std::process::exit(0);
+        }
         let v = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--from" => a.from = Some(PathBuf::from(v)),
@@ -64,10 +71,7 @@ fn args() -> Result<Args> {
             "--dp" => a.dp = v.parse()?,
             "--lr" => a.lr = v.parse()?,
             "--out" => a.out = PathBuf::from(v),
-            other => bail!(
-                "unknown flag {other}; flags: --from DIR --pretrain-steps N --steps N --dp N \
-                 --lr LR --out DIR"
-            ),
+            other => bail!("unknown flag {other}; flags: {FLAGS}"),
         }
     }
     if BATCH % a.dp != 0 {
