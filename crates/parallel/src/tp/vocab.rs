@@ -439,7 +439,18 @@ pub fn vocab_parallel_cross_entropy(
     ignore_index: Option<u32>,
     comm: &TpComm,
 ) -> Result<Tensor> {
-    let (logits, stats) = ce_stats(logits_local, targets, ignore_index, Some(comm))?;
+    cross_entropy_over(logits_local, targets, ignore_index, Some(comm))
+}
+
+/// [`vocab_parallel_cross_entropy`] over `group` (`None`: the logits hold the whole
+/// vocabulary), recorded as one [`VocabCrossEntropy`] node.
+fn cross_entropy_over(
+    logits_local: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+    group: Option<&TpComm>,
+) -> Result<Tensor> {
+    let (logits, stats) = ce_stats(logits_local, targets, ignore_index, group)?;
     Ok(kiln_memory::tape::apply_op1(
         &logits,
         VocabCrossEntropy { stats },

@@ -1,6 +1,6 @@
 //! The tied LM head and the vocab-parallel cross-entropy as one graph node.
 
-use super::{ce_stats, CeStats, VocabCrossEntropy, VocabCrossEntropyBwd};
+use super::{ce_stats, cross_entropy_over, CeStats, VocabCrossEntropyBwd};
 use crate::error::{ParallelError, Result};
 use crate::tp::dense::{bwd_tensors, linear_cpu, matmul_precision, MatmulPrecision};
 use crate::tp::ops::{copy_to_tp_region, TpComm};
@@ -60,11 +60,7 @@ pub fn linear_cross_entropy(
     check_input(x, w)?;
     if !x.device().is_cpu() || !w.device().is_cpu() {
         let logits = crate::tp::linear(x, w, None)?;
-        let (logits, stats) = ce_stats(&logits, targets, ignore_index, None)?;
-        return Ok(kiln_memory::tape::apply_op1(
-            &logits,
-            VocabCrossEntropy { stats },
-        )?);
+        return cross_entropy_over(&logits, targets, ignore_index, None);
     }
     fused(x, w, targets, ignore_index, None)
 }
