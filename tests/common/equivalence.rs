@@ -2,11 +2,11 @@
 //! of 4 (thread ranks in `parallel_gpt.rs`, MPI processes in `mpi_equivalence.rs`) trains the
 //! GPT under a strategy and checks its own shard against the reference it computes itself:
 //!
-//! - tensor parallel (tp = 2, 4) against tp = 1: parameters after 5 AdamW steps and every loss
-//!   within 1e-5;
+//! - tensor parallel (tp = 2, 4, with and without sequence parallelism) against tp = 1:
+//!   parameters after 5 AdamW steps and every loss within 1e-5;
 //! - ZeRO stages 1, 2 and 3 at dp = 2 against plain data parallel at dp = 2: bitwise;
-//! - dp = 2 x tp = 2 with ZeRO-1 and fp16 loss scaling against one rank: the loss after 30
-//!   steps within 1%;
+//! - dp = 2 x tp = 2 with ZeRO-1 and fp16 loss scaling, with and without sequence parallelism,
+//!   against one rank: the loss after 30 steps within 1%;
 //! - DPO of LoRA adapters (kiln-tune) at dp = 2 x tp = 2 with ZeRO-1 against one rank: the
 //!   adapters after 4 steps and every loss within 1e-5;
 //! - int8 quantization-aware training at dp = 2 x tp = 2 against one rank: with fake-quantized
@@ -50,7 +50,8 @@ pub fn flat(t: &Tensor) -> Vec<f32> {
 }
 
 /// One rank of a `dp x tp` run over `world` (exactly `dp * tp` ranks): `steps` steps on fixed
-/// batches.
+/// batches, sequence-parallel with `sp`.
+#[allow(clippy::too_many_arguments)]
 pub fn train_rank(
     world: Arc<dyn Communicator>,
     cfg: &GptConfig,
@@ -58,13 +59,14 @@ pub fn train_rank(
     tp: usize,
     dpc: DataParallelConfig,
     fp16: bool,
+    sp: bool,
     steps: usize,
 ) -> anyhow::Result<RankRun> {
     let global_batch = 4;
     let dims = ParallelDims::new(dp, tp, dp * tp, &cfg.shape())?;
     let groups = dims.build_groups(&*world)?;
     let tp_comm: Arc<dyn Communicator> = Arc::from(groups.tp);
-    let mut opts = GptOptions::seeded(3);
+    let mut opts = GptOptions::seeded(3).with_sequence_parallel(sp);
     if fp16 {
         opts = opts.with_compute_dtype(DType::F16);
     }
@@ -227,7 +229,7 @@ fn reference(
     let one = ThreadComm::group(1, ThreadCommConfig::default())?
         .pop()
         .ok_or_else(|| anyhow::anyhow!("no thread rank"))?;
-    let r = train_rank(Arc::new(one), cfg, 1, 1, dpc, fp16, steps)?;
+    let r = train_rank(Arc::new(one), cfg, 1, 1, dpc, fp16, false, steps)?;
     map.insert(key.to_string(), r.clone());
     Ok(r)
 }
@@ -297,29 +299,30 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         ..Default::default()
     };
     let (ref_params, ref_losses) = reference("tp", &small, tp_cfg, false, 5)?;
-    for tp in [2usize, 4] {
+    for (tp, sp) in [(2usize, false), (4, false), (2, true), (4, true)] {
+        let what = if sp { " sequence-parallel" } else { "" };
         if let Some(msg) = on_first(&*world, tp, |sub| {
             let tp_rank = sub.rank();
-            let (params, losses) = train_rank(sub, &small, 1, tp, tp_cfg, false, 5)?;
+            let (params, losses) = train_rank(sub, &small, 1, tp, tp_cfg, false, sp, 5)?;
             let want = shard_of(&small, &ref_params, tp, tp_rank)?;
             let mut worst = 0.0f32;
             for ((n, got), (wn, w)) in params.iter().zip(&want) {
-                anyhow::ensure!(n == wn, "tp={tp}: parameter order {n} vs {wn}");
+                anyhow::ensure!(n == wn, "tp={tp}{what}: parameter order {n} vs {wn}");
                 let d = worst_rel(got, w, 1.0);
                 anyhow::ensure!(
                     d <= 1e-5,
-                    "tp={tp} rank {tp_rank}: {n} differs by {d:e} (1e-5)"
+                    "tp={tp}{what} rank {tp_rank}: {n} differs by {d:e} (1e-5)"
                 );
                 worst = worst.max(d);
             }
             for (s, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
                 anyhow::ensure!(
                     (a - b).abs() <= 1e-5 * b.abs(),
-                    "tp={tp}: loss of step {s}: {a} vs {b}"
+                    "tp={tp}{what}: loss of step {s}: {a} vs {b}"
                 );
             }
             Ok(format!(
-                "tp={tp} equals tp=1 after 5 steps (worst {worst:.1e})"
+                "tp={tp}{what} equals tp=1 after 5 steps (worst {worst:.1e})"
             ))
         })? {
             done.push(msg);
@@ -332,7 +335,7 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         ..Default::default()
     };
     if let Some(msg) = on_first(&*world, 2, |sub| {
-        let (plain, lp) = train_rank(sub.clone(), &tiny, 2, 1, base, false, 3)?;
+        let (plain, lp) = train_rank(sub.clone(), &tiny, 2, 1, base, false, false, 3)?;
         for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
             let (z, lz) = train_rank(
                 sub.clone(),
@@ -340,6 +343,7 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
                 2,
                 1,
                 DataParallelConfig { stage, ..base },
+                false,
                 false,
                 3,
             )?;
@@ -366,18 +370,21 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         single[steps - 1] < single[0] * 0.8,
         "the single-rank run did not train: {single:?}"
     );
-    if let Some(msg) = on_first(&*world, 4, |sub| {
-        let (_, grid) = train_rank(sub, &tiny, 2, 2, dpc, true, steps)?;
-        let (a, b) = (grid[steps - 1], single[steps - 1]);
-        anyhow::ensure!(
-            (a - b).abs() <= 0.01 * b,
-            "dp2 x tp2 fp16: final loss {a} vs one rank {b}"
-        );
-        Ok(format!(
-            "dp=2 x tp=2 ZeRO-1 fp16: final loss {a} vs one rank {b}"
-        ))
-    })? {
-        done.push(msg);
+    for sp in [false, true] {
+        let what = if sp { " sequence-parallel" } else { "" };
+        if let Some(msg) = on_first(&*world, 4, |sub| {
+            let (_, grid) = train_rank(sub, &tiny, 2, 2, dpc, true, sp, steps)?;
+            let (a, b) = (grid[steps - 1], single[steps - 1]);
+            anyhow::ensure!(
+                (a - b).abs() <= 0.01 * b,
+                "dp2 x tp2{what} fp16: final loss {a} vs one rank {b}"
+            );
+            Ok(format!(
+                "dp=2 x tp=2{what} ZeRO-1 fp16: final loss {a} vs one rank {b}"
+            ))
+        })? {
+            done.push(msg);
+        }
     }
     // DPO of LoRA adapters at dp x tp against one rank
     let lora_ref = {

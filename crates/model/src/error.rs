@@ -128,6 +128,13 @@ pub enum ModelError {
     /// A tensor-parallel operation failed.
     #[error(transparent)]
     Parallel(#[from] kiln_parallel::ParallelError),
+    /// Sequence parallelism cannot run as asked: a length that does not split over the
+    /// tensor-parallel ranks, or a layer that does not take split rows.
+    #[error("sequence parallelism: {reason}")]
+    SequenceParallel {
+        /// What is wrong, with the values.
+        reason: String,
+    },
     /// Generation was asked to continue an empty prompt.
     #[error("generate: the prompt is empty")]
     EmptyPrompt,

@@ -36,6 +36,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod block;
 mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -50,6 +51,7 @@ mod kernel;
 mod linear;
 mod model;
 pub mod ops;
+mod options;
 mod params;
 pub mod reference;
 mod tp;

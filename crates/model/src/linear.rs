@@ -128,6 +128,13 @@ pub trait LinearLayer: Send + Sync + std::fmt::Debug {
     fn param_kinds(&self) -> Option<Vec<(String, ParamKind)>> {
         None
     }
+    /// Whether the layer takes and gives this rank's token rows under sequence parallelism (a
+    /// column-parallel layer gathers them before its product, a row-parallel one
+    /// reduce-scatters its output to them; see [`crate::GptOptions::sequence_parallel`]). The
+    /// default `false`: the layer takes and gives every row.
+    fn sequence_parallel(&self) -> bool {
+        false
+    }
 }
 
 /// Builds the linear layers of a model.

@@ -1,266 +1,18 @@
 //! [`Gpt`]: the GPT-3-style decoder, runnable whole or as a chain of [`Segment`]s.
 
+use crate::block::{Block, Norm};
 use crate::config::GptConfig;
 use crate::error::{ModelError, Result};
 use crate::init::{Init, Initializer};
-use crate::linear::{DenseFactory, LayerFactory, LinearKind, LinearLayer, LinearSpec};
+use crate::linear::{DenseFactory, LayerFactory};
 use crate::ops;
+pub use crate::options::{GptOptions, Segment};
 use crate::params::ParamSource;
 use crate::tp::TensorParallelFactory;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use kiln_optim::ParamKind;
 use kiln_parallel::tp::{self as tpops, with_matmul_precision, MatmulPrecision, TpComm, TpSplit};
 use std::collections::HashMap;
-
-/// How a [`Gpt`] is built and run, apart from its architecture.
-#[derive(Debug, Clone)]
-pub struct GptOptions {
-    /// Seed of the initialisation: same seed, bitwise same parameters.
-    pub seed: u64,
-    /// Device of the parameters.
-    pub device: Device,
-    /// dtype of the master parameters: f32 (training) or f64 (gradient checks).
-    pub param_dtype: DType,
-    /// dtype of the forward and backward compute: the parameters are cast to it
-    /// (differentiably) as they are used; f32, f16, bf16 or f64. The loss is f32 (f64 for f64).
-    ///
-    /// bf16 on the CPU computes as PyTorch's CPU autocast does where it pays: every matrix
-    /// product of the linear layers and the LM head takes bf16 operands with f32 accumulation
-    /// ([`kiln_parallel::tp::MatmulPrecision::Bf16`], the `avx512_bf16` dot product), while
-    /// the activations between them, their gradients and the normalisation, attention
-    /// softmax, GELU and loss stay f32 (candle's element-wise bf16 CPU kernels are slower than
-    /// its f32 ones). f16 on the CPU computes the same way with f16 operands
-    /// ([`kiln_parallel::tp::MatmulPrecision::F16`]): what an f16 matrix unit with f32
-    /// accumulation computes, a scaled gradient beyond f16's range still overflowing in the
-    /// product for the loss scaler to see. On CUDA every tensor of the forward is bf16 or f16.
-    pub compute_dtype: DType,
-    /// Targets equal to this id are left out of the loss (padding).
-    pub ignore_index: Option<u32>,
-}
-
-impl Default for GptOptions {
-    fn default() -> Self {
-        Self {
-            seed: 0,
-            device: Device::Cpu,
-            param_dtype: DType::F32,
-            compute_dtype: DType::F32,
-            ignore_index: None,
-        }
-    }
-}
-
-impl GptOptions {
-    /// f32 on the CPU with this seed.
-    pub fn seeded(seed: u64) -> Self {
-        Self {
-            seed,
-            ..Self::default()
-        }
-    }
-
-    /// The same options computing in `dtype`.
-    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
-        self.compute_dtype = dtype;
-        self
-    }
-
-    /// The same options with master parameters in `dtype`.
-    pub fn with_param_dtype(mut self, dtype: DType) -> Self {
-        self.param_dtype = dtype;
-        self
-    }
-
-    /// The same options with the parameters on `device`.
-    pub fn with_device(mut self, device: Device) -> Self {
-        self.device = device;
-        self
-    }
-}
-
-/// One piece of the model an executor can run on its own: `Embed`, then each `Block`, then
-/// `Head`. The output of one is the input of the next.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Segment {
-    /// Token ids `[b, t]` to hidden states `[b, t, d]`: token plus position embedding.
-    Embed,
-    /// Transformer block `i`: `[b, t, d] -> [b, t, d]`.
-    Block(usize),
-    /// Final LayerNorm and the tied LM head: hidden states to logits or loss.
-    Head,
-}
-
-/// A LayerNorm's gain and bias.
-#[derive(Debug, Clone)]
-struct Norm {
-    name: String,
-    weight: Var,
-    bias: Var,
-    eps: f64,
-}
-
-impl Norm {
-    fn new(init: &Initializer, name: &str, d: usize, eps: f64) -> Result<Self> {
-        Ok(Self {
-            name: name.to_string(),
-            weight: init.var(&format!("{name}.weight"), &[d], Init::Ones)?,
-            bias: init.var(&format!("{name}.bias"), &[d], Init::Zeros)?,
-            eps,
-        })
-    }
-
-    fn forward_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
-        let (w, b) = self.params_with(x, p)?;
-        ops::layer_norm(x, &w, &b, self.eps)
-    }
-
-    /// [`Norm::forward_with`] as rows `[n, d]` (see [`ops::layer_norm_rows`]).
-    fn forward_rows_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
-        let (w, b) = self.params_with(x, p)?;
-        ops::layer_norm_rows(x, &w, &b, self.eps)
-    }
-
-    /// The gain and bias from `p`, in `x`'s dtype.
-    fn params_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<(Tensor, Tensor)> {
-        let w = p
-            .param(&format!("{}.weight", self.name))?
-            .to_dtype(x.dtype())?;
-        let b = p
-            .param(&format!("{}.bias", self.name))?
-            .to_dtype(x.dtype())?;
-        Ok((w, b))
-    }
-
-    fn parameters(&self, out: &mut Vec<(String, Var)>) {
-        out.push((format!("{}.weight", self.name), self.weight.clone()));
-        out.push((format!("{}.bias", self.name), self.bias.clone()));
-    }
-}
-
-/// One pre-LayerNorm transformer block.
-#[derive(Debug)]
-struct Block {
-    ln_1: Norm,
-    c_attn: Box<dyn LinearLayer>,
-    attn_proj: Box<dyn LinearLayer>,
-    ln_2: Norm,
-    c_fc: Box<dyn LinearLayer>,
-    mlp_proj: Box<dyn LinearLayer>,
-    head_dim: usize,
-    /// How the factory's layers split their parameters (from their specs).
-    splits: Vec<(String, TpSplit)>,
-    /// What the factory's layers' parameters are (from their specs).
-    kinds: Vec<(String, ParamKind)>,
-}
-
-impl Block {
-    fn new(
-        cfg: &GptConfig,
-        i: usize,
-        init: &Initializer,
-        factory: &dyn LayerFactory,
-    ) -> Result<Self> {
-        let d = cfg.d_model;
-        let f = cfg.d_ff();
-        let eps = cfg.layer_norm_eps;
-        let residual_gain = if cfg.scaled_residual_init {
-            1.0 / (2.0 * cfg.n_layers as f64).sqrt()
-        } else {
-            1.0
-        };
-        let spec = |name: &str, in_f, out_f, kind, gain| LinearSpec {
-            name: format!("h.{i}.{name}"),
-            in_features: in_f,
-            out_features: out_f,
-            bias: true,
-            kind,
-            weight_init: Init::XavierUniform { gain },
-        };
-        let specs = [
-            spec("attn.c_attn", d, 3 * d, LinearKind::AttnQkv, 1.0),
-            spec("attn.c_proj", d, d, LinearKind::AttnOut, residual_gain),
-            spec("mlp.c_fc", d, f, LinearKind::MlpUp, 1.0),
-            spec("mlp.c_proj", f, d, LinearKind::MlpDown, residual_gain),
-        ];
-        let [qkv, out, up, down] = &specs;
-        let ln_1 = Norm::new(init, &format!("h.{i}.ln_1"), d, eps)?;
-        let c_attn = factory.linear(init, qkv)?;
-        let attn_proj = factory.linear(init, out)?;
-        let ln_2 = Norm::new(init, &format!("h.{i}.ln_2"), d, eps)?;
-        let c_fc = factory.linear(init, up)?;
-        let mlp_proj = factory.linear(init, down)?;
-        let layers = [&c_attn, &attn_proj, &c_fc, &mlp_proj];
-        // a layer with parameters of its own (a LoRA adapter) says how they split; a plain one
-        // has its spec's weight and bias
-        let splits = specs
-            .iter()
-            .zip(layers)
-            .flat_map(|(s, l)| l.param_splits().unwrap_or_else(|| s.param_splits()))
-            .collect();
-        let kinds = specs
-            .iter()
-            .zip(layers)
-            .flat_map(|(s, l)| l.param_kinds().unwrap_or_else(|| s.param_kinds()))
-            .collect();
-        Ok(Self {
-            ln_1,
-            c_attn,
-            attn_proj,
-            ln_2,
-            c_fc,
-            mlp_proj,
-            head_dim: cfg.head_dim(),
-            splits,
-            kinds,
-        })
-    }
-
-    fn attention(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
-        let dh = self.head_dim;
-        let qkv = self.c_attn.forward_with(x, p)?;
-        let width = self.c_attn.local_out_features();
-        if width % (3 * dh) != 0 {
-            return Err(ModelError::Shape {
-                op: "attention",
-                what: "qkv projection output",
-                expected: format!("a multiple of 3 * head_dim = {}", 3 * dh),
-                got: format!("{width}"),
-            });
-        }
-        let h = width / (3 * dh);
-        let scale = 1.0 / (dh as f64).sqrt();
-        // the fused kernels, CPU and CUDA: no t x t scores, the masked half skipped, heads in
-        // parallel (small_cpu trains 5-15% faster than with scores, causal softmax and values
-        // as three ops on the CPU); on the CPU they read q, k and v where the projection wrote
-        // them, one graph node from qkv to the heads side by side
-        let y = ops::causal_attention_packed(&qkv, h, scale)?;
-        self.attn_proj.forward_with(&y, p)
-    }
-
-    fn forward_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
-        // kiln ops end to end, so the segment's backward can run from its tape
-        let x = ops::residual_add(x, &self.attention(&self.ln_1.forward_with(x, p)?, p)?)?;
-        let h = self
-            .c_fc
-            .forward_gelu_with(&self.ln_2.forward_with(&x, p)?, p)?;
-        ops::residual_add(&x, &self.mlp_proj.forward_with(&h, p)?)
-    }
-
-    fn own(&self) -> Vec<(String, Var)> {
-        let mut v = Vec::new();
-        self.parameters(&mut v);
-        v
-    }
-
-    fn parameters(&self, out: &mut Vec<(String, Var)>) {
-        self.ln_1.parameters(out);
-        out.extend(self.c_attn.parameters());
-        out.extend(self.attn_proj.parameters());
-        self.ln_2.parameters(out);
-        out.extend(self.c_fc.parameters());
-        out.extend(self.mlp_proj.parameters());
-    }
-}
 
 /// The GPT-3-style decoder: token and learned position embeddings, `n_layers` pre-LayerNorm
 /// blocks (LN, causal multi-head attention with a fused QKV projection, residual; LN, fc1 4x,
@@ -344,13 +96,18 @@ impl Gpt {
     /// parameter is initialised whole from its `(seed, name)` stream and then sharded, so the
     /// model equals the `tp = 1` one at any degree.
     pub fn tensor_parallel(cfg: &GptConfig, opts: &GptOptions, tp: TpComm) -> Result<Self> {
-        let factory = TensorParallelFactory::new(tp.clone(), cfg.n_heads);
+        let factory = TensorParallelFactory::new(tp.clone(), cfg.n_heads)
+            .with_sequence_parallel(opts.sequence_parallel);
         Self::tensor_parallel_with_factory(cfg, opts, tp, &factory)
     }
 
     /// [`Gpt::tensor_parallel`] with the linear layers from `factory`, which must build this
     /// rank's Megatron shards over `tp` (a [`TensorParallelFactory`], or a wrapper around one
-    /// such as a LoRA factory); the embedding and head are vocab-parallel over `tp`.
+    /// such as a LoRA factory); the embedding and head are vocab-parallel over `tp`. With
+    /// [`GptOptions::sequence_parallel`] (and more than one rank) every layer must take split
+    /// token rows ([`LinearLayer::sequence_parallel`](crate::LinearLayer::sequence_parallel)), and without it none may; otherwise,
+    /// and where `n_ctx` is not a multiple of the degree, this is a
+    /// [`ModelError::SequenceParallel`] naming the layer or the sizes.
     pub fn tensor_parallel_with_factory(
         cfg: &GptConfig,
         opts: &GptOptions,
@@ -392,10 +149,23 @@ impl Gpt {
             }
         };
         let wpe = init.var("wpe", &[cfg.n_ctx, d], emb)?;
+        let split_rows = tp.filter(|c| opts.sequence_parallel && c.world_size() > 1);
+        if let Some(c) = split_rows {
+            if cfg.n_ctx % c.world_size() != 0 {
+                return Err(ModelError::SequenceParallel {
+                    reason: format!(
+                        "n_ctx {} is not a multiple of the tensor-parallel degree {}",
+                        cfg.n_ctx,
+                        c.world_size()
+                    ),
+                });
+            }
+        }
         let blocks = (0..cfg.n_layers)
-            .map(|i| Block::new(cfg, i, &init, factory))
+            .map(|i| Block::new(cfg, i, &init, factory, split_rows))
             .collect::<Result<Vec<_>>>()?;
-        let ln_f = Norm::new(&init, "ln_f", d, cfg.layer_norm_eps)?;
+        let mut ln_f = Norm::new(&init, "ln_f", d, cfg.layer_norm_eps)?;
+        ln_f.split_rows = split_rows.cloned();
         Ok(Self {
             cfg: cfg.clone(),
             opts: opts.clone(),
@@ -463,6 +233,27 @@ impl Gpt {
         self.tp.as_ref()
     }
 
+    /// The group the token rows are split over, when the model runs sequence-parallel
+    /// ([`GptOptions::sequence_parallel`] with more than one tensor-parallel rank).
+    pub fn sequence_parallel_group(&self) -> Option<&TpComm> {
+        self.tp
+            .as_ref()
+            .filter(|c| self.opts.sequence_parallel && c.world_size() > 1)
+    }
+
+    /// The sequence length `t` must split over the sequence-parallel group `c`.
+    fn check_split(&self, op: &'static str, t: usize, c: &TpComm) -> Result<()> {
+        if t % c.world_size() == 0 {
+            return Ok(());
+        }
+        Err(ModelError::SequenceParallel {
+            reason: format!(
+                "{op}: sequence length {t} is not a multiple of the tensor-parallel degree {}",
+                c.world_size()
+            ),
+        })
+    }
+
     /// Per segment (in execution order), every trainable parameter the segment reads: its own
     /// and the tied ones (the head lists `wte` too); frozen ones are left out. The input of
     /// `kiln_parallel::DataParallel::new`.
@@ -479,8 +270,8 @@ impl Gpt {
     }
 
     /// Every trainable parameter with how it is split over tensor-parallel ranks: the
-    /// vocab-parallel `wte` by rows, each linear layer as its [`LinearSpec::param_splits`] (or
-    /// the layer itself, [`LinearLayer::param_splits`]) says, the position embedding and the
+    /// vocab-parallel `wte` by rows, each linear layer as its [`LinearSpec::param_splits`](crate::LinearSpec::param_splits) (or
+    /// the layer itself, [`LinearLayer::param_splits`](crate::LinearLayer::param_splits)) says, the position embedding and the
     /// LayerNorms replicated. The same list at every degree (tp = 1 included), in
     /// [`Gpt::named_parameters`] order; data-parallel engines use it to count replicated
     /// gradients once in the global norm and to lay out checkpoints.
@@ -515,7 +306,7 @@ impl Gpt {
 
     /// Every trainable parameter with what it is, for the optimizer's parameter groups
     /// ([`kiln_optim::WeightDecayGroups`]): `wte` and `wpe` embeddings, each linear layer's
-    /// weight and bias as its [`LinearSpec::param_kinds`] (or the layer itself) says, the
+    /// weight and bias as its [`LinearSpec::param_kinds`](crate::LinearSpec::param_kinds) (or the layer itself) says, the
     /// LayerNorms' gains and shifts norms. In [`Gpt::named_parameters`] order.
     pub fn param_kinds(&self) -> Vec<(String, ParamKind)> {
         let linear: HashMap<&str, ParamKind> = self
@@ -795,6 +586,20 @@ impl Gpt {
         }
         let d = self.cfg.d_model;
         let wte = p.param("wte")?;
+        if let Some(c) = self.sequence_parallel_group() {
+            // this rank's token rows: the partial lookups reduce-scattered, the positions of
+            // the rows taken from the whole broadcast (whose gradient is all-gathered, so
+            // `wpe`'s is whole and the same on every rank)
+            self.check_split("embed", t, c)?;
+            let tok = tpops::vocab_parallel_embedding_sp(tokens, &wte, c)?;
+            let pos = p
+                .param("wpe")?
+                .narrow(0, 0, t)?
+                .broadcast_as((b, t, d))?
+                .contiguous()?;
+            let pos = tpops::scatter_to_sequence_parallel_region(&pos, c)?;
+            return Ok((tok + pos)?.to_dtype(self.activation_dtype())?);
+        }
         let tok = match &self.tp {
             None => wte.index_select(&ids, 0)?,
             Some(c) => tpops::vocab_parallel_embedding(&ids, &wte, c)?,
@@ -835,14 +640,21 @@ impl Gpt {
 
     /// The final LayerNorm `ln_f` of hidden states `[b, t, d]`, with its weights read from `p`:
     /// what the LM head multiplies by `wte`, and what a scalar head (a reward model's) reads.
+    /// Sequence-parallel, `x` is this rank's rows `[b, t / tp, d]` and the normalised rows of
+    /// every rank are gathered into `[b, t, d]`.
     pub fn final_norm_with(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
-        self.ln_f.forward_with(x, &self.source(p))
+        let h = self.ln_f.forward_with(x, &self.source(p))?;
+        match self.sequence_parallel_group() {
+            Some(c) => Ok(tpops::gather_from_sequence_parallel_region(&h, c)?),
+            None => Ok(h),
+        }
     }
 
     /// This rank's logits `[b, t, vocab / tp]` (all of them without tensor parallelism), with
     /// `ln_f` and `wte` read from `p`.
     pub fn head_logits_local(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
+        let t = t * self.sequence_parallel_group().map_or(1, |c| c.world_size());
         let logits = self.head_rows_local(x, p)?;
         let v = logits.dim(1)?;
         Ok(logits.reshape((b, t, v))?)
@@ -853,6 +665,11 @@ impl Gpt {
     /// backward fills and adds a logits-sized gradient.
     fn head_rows_local(&self, x: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
         let (h, w) = self.head_operands(x, p)?;
+        if let Some(c) = self.sequence_parallel_group() {
+            // every rank's rows, whose gradient the gather sums over the group (no `f`)
+            let h = tpops::gather_from_sequence_parallel_region(&h, c)?;
+            return Ok(self.in_precision(|| tpops::linear(&h, &w, None))?);
+        }
         Ok(self.in_precision(|| match &self.tp {
             None => kiln_parallel::tp::linear(&h, &w, None),
             Some(c) => tpops::vocab_parallel_logits(&h, &w, c),
@@ -885,6 +702,8 @@ impl Gpt {
         p: &dyn ParamSource,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
+        let split = self.sequence_parallel_group();
+        let t = t * split.map_or(1, |c| c.world_size());
         let (tb, tt) = self.check_tokens("head_loss", "targets", targets)?;
         if (tb, tt) != (b, t) {
             return Err(ModelError::Shape {
@@ -895,6 +714,19 @@ impl Gpt {
             });
         }
         let targets = targets.flatten_all()?;
+        if let Some(c) = split {
+            // this rank's normalised rows, gathered inside the fused head and loss
+            let (h, w) = self.head_operands(x, p)?;
+            return Ok(self.in_precision(|| {
+                tpops::sequence_parallel_linear_cross_entropy(
+                    &h,
+                    &w,
+                    &targets,
+                    self.opts.ignore_index,
+                    c,
+                )
+            })?);
+        }
         match &self.tp {
             // on the CPU the head and the loss as one graph node, as below with one rank
             None if x.device().is_cpu() => {
@@ -934,8 +766,20 @@ impl Gpt {
         Ok(x)
     }
 
-    /// Logits `[b, t, vocab]` for token ids `[b, t]`.
+    /// Logits `[b, t, vocab]` for token ids `[b, t]`. Sequence-parallel, a length that does
+    /// not split over the ranks is padded at the end up to the next multiple of the degree
+    /// (causal attention: no position reads a later one) and the padding's logits dropped.
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        if let Some(c) = self.sequence_parallel_group() {
+            let (b, t) = self.check_tokens("forward", "tokens", tokens)?;
+            let pad = t.next_multiple_of(c.world_size()) - t;
+            if pad > 0 {
+                let zeros = Tensor::zeros((b, pad), DType::U32, tokens.device())?;
+                let padded = Tensor::cat(&[tokens, &zeros], 1)?;
+                let logits = self.head_logits(&self.trunk(&padded)?)?;
+                return Ok(logits.narrow(1, 0, t)?);
+            }
+        }
         self.head_logits(&self.trunk(tokens)?)
     }
 

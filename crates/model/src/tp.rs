@@ -9,7 +9,8 @@ use crate::linear::{
 use crate::params::ParamSource;
 use candle_core::{Tensor, Var};
 use kiln_parallel::tp::{
-    column_parallel_linear, row_parallel_linear, shard_column, shard_qkv, shard_row, TpComm,
+    column_parallel_linear, column_parallel_linear_sp, row_parallel_linear, row_parallel_linear_sp,
+    shard_column, shard_qkv, shard_row, TpComm,
 };
 
 /// Builds column-parallel QKV (split by heads) and fc1, and row-parallel attention output and
@@ -19,6 +20,7 @@ use kiln_parallel::tp::{
 pub struct TensorParallelFactory {
     comm: TpComm,
     n_heads: usize,
+    sequence_parallel: bool,
 }
 
 impl std::fmt::Debug for TensorParallelFactory {
@@ -27,6 +29,7 @@ impl std::fmt::Debug for TensorParallelFactory {
             .field("tp", &self.comm.world_size())
             .field("rank", &self.comm.rank())
             .field("n_heads", &self.n_heads)
+            .field("sequence_parallel", &self.sequence_parallel)
             .finish()
     }
 }
@@ -34,7 +37,20 @@ impl std::fmt::Debug for TensorParallelFactory {
 impl TensorParallelFactory {
     /// A factory over the group `comm`, for a model with `n_heads` attention heads.
     pub fn new(comm: TpComm, n_heads: usize) -> Self {
-        Self { comm, n_heads }
+        Self {
+            comm,
+            n_heads,
+            sequence_parallel: false,
+        }
+    }
+
+    /// The same factory building layers for sequence parallelism (`on`): column-parallel
+    /// layers all-gather this rank's token rows before their product, row-parallel ones
+    /// reduce-scatter their output to them ([`column_parallel_linear_sp`],
+    /// [`row_parallel_linear_sp`]). With one rank the layers are the plain ones.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.sequence_parallel = on && self.comm.world_size() > 1;
+        self
     }
 }
 
@@ -57,6 +73,7 @@ impl LayerFactory for TensorParallelFactory {
             bias: b.map(|b| Var::from_tensor(&b)).transpose()?,
             comm: self.comm.clone(),
             local_out,
+            sequence_parallel: self.sequence_parallel,
         }))
     }
 }
@@ -69,6 +86,7 @@ pub struct TpLinear {
     bias: Option<Var>,
     comm: TpComm,
     local_out: usize,
+    sequence_parallel: bool,
 }
 
 impl std::fmt::Debug for TpLinear {
@@ -88,9 +106,12 @@ impl LinearLayer for TpLinear {
             Some(_) => Some(params.param(&format!("{}.bias", self.name))?),
             None => None,
         };
-        Ok(match self.style {
-            ParallelStyle::Column => column_parallel_linear(x, &w, b.as_ref(), &self.comm)?,
-            ParallelStyle::Row => row_parallel_linear(x, &w, b.as_ref(), &self.comm)?,
+        let (b, c) = (b.as_ref(), &self.comm);
+        Ok(match (self.style, self.sequence_parallel) {
+            (ParallelStyle::Column, false) => column_parallel_linear(x, &w, b, c)?,
+            (ParallelStyle::Row, false) => row_parallel_linear(x, &w, b, c)?,
+            (ParallelStyle::Column, true) => column_parallel_linear_sp(x, &w, b, c)?,
+            (ParallelStyle::Row, true) => row_parallel_linear_sp(x, &w, b, c)?,
         })
     }
 
@@ -104,5 +125,9 @@ impl LinearLayer for TpLinear {
 
     fn local_out_features(&self) -> usize {
         self.local_out
+    }
+
+    fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
     }
 }

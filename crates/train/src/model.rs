@@ -132,7 +132,8 @@ impl ModelContext<'_> {
         let cfg = self.config.gpt_config()?;
         let opts = GptOptions::seeded(self.config.seed)
             .with_compute_dtype(self.config.precision.dtype())
-            .with_device(self.config.device.device()?);
+            .with_device(self.config.device.device()?)
+            .with_sequence_parallel(self.config.parallel.sequence_parallel);
         let tp = (self.tp.world_size() > 1).then(|| self.tp.clone());
         let (model, lora) = match (&self.config.model.lora, tp) {
             (Some(lc), tp) => {

@@ -3,6 +3,9 @@
 
 use crate::error::{ParallelError, Result};
 use crate::tp::ops::{copy_to_tp_region, reduce_from_tp_region, TpComm};
+use crate::tp::sequence::{
+    gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+};
 use crate::tp::shard::{shard_column, shard_qkv, shard_row};
 use candle_core::{Tensor, Var};
 
@@ -71,13 +74,59 @@ pub fn row_parallel_linear(
         return linear(x, weight, bias);
     }
     let y = reduce_from_tp_region(&linear(x, weight, None)?, comm)?;
-    Ok(match bias {
-        Some(b) if y.device().is_cpu() => {
-            crate::tp::dense::add_bias_cpu(&y, &b.to_dtype(y.dtype())?)?
-        }
-        Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
-        None => y,
+    match bias {
+        Some(b) => add_bias(&y, &b.to_dtype(y.dtype())?),
+        None => Ok(y),
+    }
+}
+
+/// `y + b` over the last dimension: on the CPU the op whose backward sums the bias gradient
+/// row by row (`dense::add_bias_cpu`), elsewhere candle's broadcast add.
+fn add_bias(y: &Tensor, b: &Tensor) -> Result<Tensor> {
+    Ok(if y.device().is_cpu() {
+        crate::tp::dense::add_bias_cpu(y, b)?
+    } else {
+        y.broadcast_add(b)?
     })
+}
+
+/// [`column_parallel_linear`] under sequence parallelism: `x` `[.., s / tp, in]` is this
+/// rank's token rows (see [`crate::tp::sequence_parallel_rows`]), all-gathered into the whole
+/// `[.., s, in]` before the product; the output `[.., s, out / tp]` stays split by features.
+/// Backward, the input gradient is summed over the group and scattered back to the rows
+/// (reduce-scatter), which is what `f` and the split together would give.
+pub fn column_parallel_linear_sp(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    comm: &TpComm,
+) -> Result<Tensor> {
+    linear(
+        &gather_from_sequence_parallel_region(x, comm)?,
+        weight,
+        bias,
+    )
+}
+
+/// [`row_parallel_linear`] under sequence parallelism: the partial products `x_r W_r^T`
+/// `[.., s, out]` are reduce-scattered over the group (the all-reduce's sum, each rank keeping
+/// its token rows `[.., s / tp, out]`), and the replicated `bias` is added to those rows; its
+/// gradient, partial on each rank, is summed over the group ([`copy_to_tp_region`]). Backward,
+/// the output gradient's rows are all-gathered. With one rank this is the dense [`linear`].
+pub fn row_parallel_linear_sp(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    comm: &TpComm,
+) -> Result<Tensor> {
+    if comm.world_size() == 1 {
+        return linear(x, weight, bias);
+    }
+    let y = reduce_scatter_to_sequence_parallel_region(&linear(x, weight, None)?, comm)?;
+    match bias {
+        Some(b) => add_bias(&y, &copy_to_tp_region(&b.to_dtype(y.dtype())?, comm)?),
+        None => Ok(y),
+    }
 }
 
 fn check_bias(bias: Option<&Var>, out: usize, what: &str) -> Result<()> {

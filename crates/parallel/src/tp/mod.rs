@@ -11,6 +11,12 @@
 //!   [`row_parallel_linear`] on tensors.
 //! - [`VocabParallelEmbedding`] with its tied head ([`vocab_parallel_logits`]) and
 //!   [`vocab_parallel_cross_entropy`], which never gathers the logits.
+//! - Megatron's sequence parallelism: [`gather_from_sequence_parallel_region`],
+//!   [`reduce_scatter_to_sequence_parallel_region`] and
+//!   [`scatter_to_sequence_parallel_region`] split the replicated region (normalisation,
+//!   residual, bias) along the token rows; [`column_parallel_linear_sp`],
+//!   [`row_parallel_linear_sp`], [`vocab_parallel_embedding_sp`] and
+//!   [`sequence_parallel_linear_cross_entropy`] are the layers over it.
 //! - [`TpSplit`] and [`shard_column`], [`shard_row`], [`shard_qkv`] (head-aware),
 //!   [`shard_vocab`]: whole parameters to shards and back ([`TpSplit::unshard`]).
 //!
@@ -49,6 +55,7 @@ mod cpu_gemm;
 mod dense;
 mod linear;
 mod ops;
+mod sequence;
 mod shard;
 #[cfg(feature = "cuda")]
 mod staging;
@@ -58,14 +65,20 @@ pub use cpu_gemm::{bf16_kernel, Bf16Kernel};
 pub(crate) use cpu_gemm::{for_each_slot, pool_threads, run_items, slots};
 pub use dense::{matmul_precision, with_matmul_precision, MatmulPrecision};
 pub use linear::{
-    column_parallel_linear, linear, row_parallel_linear, ColumnParallelLinear, RowParallelLinear,
+    column_parallel_linear, column_parallel_linear_sp, linear, row_parallel_linear,
+    row_parallel_linear_sp, ColumnParallelLinear, RowParallelLinear,
 };
 pub use ops::{
     all_reduce_tensor, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
     scatter_to_tp_region, TpComm,
 };
+pub use sequence::{
+    gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region, sequence_parallel_rows,
+};
 pub use shard::{shard_column, shard_qkv, shard_row, shard_vocab, vocab_range, TpSplit};
 pub use vocab::{
-    linear_cross_entropy, vocab_parallel_cross_entropy, vocab_parallel_embedding,
-    vocab_parallel_linear_cross_entropy, vocab_parallel_logits, VocabParallelEmbedding,
+    linear_cross_entropy, sequence_parallel_linear_cross_entropy, vocab_parallel_cross_entropy,
+    vocab_parallel_embedding, vocab_parallel_embedding_sp, vocab_parallel_linear_cross_entropy,
+    vocab_parallel_logits, VocabParallelEmbedding,
 };

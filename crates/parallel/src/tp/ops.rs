@@ -38,6 +38,7 @@ macro_rules! map_float_storage {
         }
     };
 }
+pub(super) use map_float_storage;
 
 /// The contiguous part of `data` that `layout` addresses; an error for a strided layout.
 pub(super) fn contiguous<'a, T>(

@@ -11,6 +11,7 @@ use crate::error::{ParallelError, Result};
 use crate::tp::cpu_gemm::run_items;
 use crate::tp::linear::column_parallel_linear;
 use crate::tp::ops::{contiguous, reduce_from_tp_region, TpComm};
+use crate::tp::sequence::reduce_scatter_to_sequence_parallel_region;
 use crate::tp::shard::{shard_vocab, vocab_range};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor, Var, WithDType};
@@ -21,7 +22,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 mod head;
-pub use head::{linear_cross_entropy, vocab_parallel_linear_cross_entropy};
+pub use head::{
+    linear_cross_entropy, sequence_parallel_linear_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+};
 
 /// The ids `wte_local` covers on this rank, and the whole vocabulary.
 fn local_range(wte_local: &Tensor, comm: &TpComm) -> Result<(Range<usize>, usize)> {
@@ -49,8 +53,44 @@ fn token_ids(ids: &Tensor, what: &str) -> Result<Vec<u32>> {
 ///
 /// An id `>= vocab` is an error.
 pub fn vocab_parallel_embedding(ids: &Tensor, wte_local: &Tensor, comm: &TpComm) -> Result<Tensor> {
+    let rows = partial_embedding(ids, wte_local, comm)?;
+    let mut dims = ids.dims().to_vec();
+    dims.push(rows.dim(1)?);
+    Ok(reduce_from_tp_region(&rows, comm)?.reshape(dims)?)
+}
+
+/// [`vocab_parallel_embedding`] under sequence parallelism: for `ids` `[.., s]` (`s` a multiple
+/// of the degree) each rank gets only its token rows `[.., s / tp, d]` of the embedding (see
+/// [`crate::tp::sequence_parallel_rows`]), the partial lookups reduce-scattered over the group
+/// instead of all-reduced. The gradient of `wte_local` is the matching rows of the dense
+/// gradient, as there.
+pub fn vocab_parallel_embedding_sp(
+    ids: &Tensor,
+    wte_local: &Tensor,
+    comm: &TpComm,
+) -> Result<Tensor> {
+    let tp = comm.world_size();
+    match ids.dims().last() {
+        Some(&s) if s > 0 && s % tp == 0 => {}
+        _ => {
+            return Err(ParallelError::Param {
+                name: "sequence-parallel embedding ids".into(),
+                expected: format!("[.., s] with s a positive multiple of the degree {tp}"),
+                got: format!("{:?}", ids.dims()),
+            })
+        }
+    }
+    let rows = partial_embedding(ids, wte_local, comm)?;
+    let mut dims = ids.dims().to_vec();
+    dims.push(rows.dim(1)?);
+    reduce_scatter_to_sequence_parallel_region(&rows.reshape(dims)?, comm)
+}
+
+/// This rank's part of the lookup of `ids` as rows `[n, d]`: the rows of the ids in its range,
+/// zeros for the others.
+fn partial_embedding(ids: &Tensor, wte_local: &Tensor, comm: &TpComm) -> Result<Tensor> {
     let (range, vocab) = local_range(wte_local, comm)?;
-    let (_, d) = wte_local.dims2()?;
+    wte_local.dims2()?;
     let flat = token_ids(ids, "embedding ids")?;
     if let Some((index, &id)) = flat
         .iter()
@@ -87,9 +127,7 @@ pub fn vocab_parallel_embedding(ids: &Tensor, wte_local: &Tensor, comm: &TpComm)
         let mask = Tensor::from_vec(mask, (n, 1), dev)?.to_dtype(wte_local.dtype())?;
         rows.broadcast_mul(&mask)?
     };
-    let mut dims = ids.dims().to_vec();
-    dims.push(d);
-    Ok(reduce_from_tp_region(&rows, comm)?.reshape(dims)?)
+    Ok(rows)
 }
 
 /// The LM head tied to a vocab-parallel embedding: `f(x) wte_local^T`, hidden states

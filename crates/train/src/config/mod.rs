@@ -371,6 +371,25 @@ mod tests {
             e.contains("RunConfig.train.activation_checkpointing"),
             "{e}"
         );
+        // sequence parallelism: rows that split over tp, and no LoRA adapters
+        let mut c = RunConfig::default();
+        c.parallel.tp = 2;
+        c.parallel.sequence_parallel = true;
+        c.train.seq_len = 63;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("RunConfig.parallel.sequence_parallel")
+                && e.contains("train.seq_len (63) must be a multiple of parallel.tp (2)"),
+            "{e}"
+        );
+        c.train.seq_len = 64;
+        c.validate().unwrap();
+        c.model.lora = Some(kiln_tune::LoraConfig::default());
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("LoRA") && e.contains("sequence_parallel"), "{e}");
+        let mut c = RunConfig::default();
+        c.apply_overrides(&[("sequence_parallel", "true")]).unwrap();
+        assert!(c.parallel.sequence_parallel);
         let mut c = RunConfig::default();
         c.monitor.breaker.cooldown_lr_factor = -1.0;
         assert!(c

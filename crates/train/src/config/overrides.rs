@@ -19,6 +19,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("tp", "parallel.tp"),
     ("zero", "parallel.zero"),
     ("backend", "parallel.backend"),
+    ("sequence_parallel", "parallel.sequence_parallel"),
     ("precision", "precision.compute"),
     ("preset", "model.preset"),
     ("lr", "optim.schedule.lr"),

@@ -94,6 +94,12 @@ pub struct ParallelSection {
     pub bucket_mb: f64,
     /// Overlap the gradient communication with the backward.
     pub overlap: bool,
+    /// Megatron-LM's sequence parallelism when `tp > 1` (no effect at `tp = 1`): the
+    /// LayerNorms, residual adds and row-parallel biases run on each tensor-parallel rank's
+    /// `1 / tp` of the token rows, and the activations kept between blocks are those rows
+    /// (see `kiln_model::GptOptions::sequence_parallel`). Needs `train.seq_len` and the
+    /// model's `n_ctx` to be multiples of `tp`; not with `model.lora`.
+    pub sequence_parallel: bool,
     /// The collective backend: `thread` (every rank a thread of this process, the default)
     /// or `mpi` (one rank per process, started by `mpirun -np <dp*tp>` or srun; needs the
     /// `mpi` feature).
@@ -108,6 +114,7 @@ impl Default for ParallelSection {
             zero: 0,
             bucket_mb: 25.0,
             overlap: true,
+            sequence_parallel: false,
             backend: Backend::Thread,
         }
     }

@@ -55,6 +55,31 @@ impl RunConfig {
                 format!("must be > 0, got {}", p.bucket_mb),
             );
         }
+        if p.sequence_parallel && p.tp > 1 {
+            for (field, len) in [
+                ("train.seq_len", self.train.seq_len),
+                ("model n_ctx", model.n_ctx),
+            ] {
+                if len % p.tp != 0 {
+                    return bad(
+                        "parallel.sequence_parallel",
+                        format!(
+                            "{field} ({len}) must be a multiple of parallel.tp ({}) to split \
+                             the token rows",
+                            p.tp
+                        ),
+                    );
+                }
+            }
+            if self.model.lora.is_some() {
+                return bad(
+                    "parallel.sequence_parallel",
+                    "LoRA adapters take every token row: turn off sequence_parallel or \
+                     model.lora"
+                        .into(),
+                );
+            }
+        }
         let t = &self.train;
         if t.steps == 0 {
             return bad("train.steps", "must be at least 1, got 0".into());

@@ -4,6 +4,7 @@ use super::{ce_stats, cross_entropy_over, CeStats, VocabCrossEntropyBwd};
 use crate::error::{ParallelError, Result};
 use crate::tp::dense::{bwd_tensors, linear_cpu, matmul_precision, MatmulPrecision};
 use crate::tp::ops::{copy_to_tp_region, TpComm};
+use crate::tp::sequence::gather_from_sequence_parallel_region;
 use crate::tp::vocab::{vocab_parallel_cross_entropy, vocab_parallel_logits};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
@@ -37,6 +38,28 @@ pub fn vocab_parallel_linear_cross_entropy(
     }
     // what `vocab_parallel_logits` multiplies: `f(x)` and the weight in x's dtype
     let x = copy_to_tp_region(x, comm)?;
+    fused(&x, wte_local, targets, ignore_index, Some(comm))
+}
+
+/// [`vocab_parallel_linear_cross_entropy`] under sequence parallelism: `x_local` `[n / tp, d]`
+/// is this rank's token rows of the head's input (see [`crate::tp::sequence_parallel_rows`]),
+/// all-gathered into `[n, d]` before the product; `targets` `[n]` are every row's. Backward,
+/// the input gradient (partial on each rank, from its vocabulary shard) is summed over the
+/// group and scattered back to the rows. The loss and `wte_local`'s gradient are bitwise those
+/// of [`vocab_parallel_linear_cross_entropy`] on the gathered rows.
+pub fn sequence_parallel_linear_cross_entropy(
+    x_local: &Tensor,
+    wte_local: &Tensor,
+    targets: &Tensor,
+    ignore_index: Option<u32>,
+    comm: &TpComm,
+) -> Result<Tensor> {
+    check_input(x_local, wte_local)?;
+    let x = gather_from_sequence_parallel_region(x_local, comm)?;
+    if !x.device().is_cpu() || !wte_local.device().is_cpu() {
+        let logits = crate::tp::linear(&x, wte_local, None)?;
+        return cross_entropy_over(&logits, targets, ignore_index, Some(comm));
+    }
     fused(&x, wte_local, targets, ignore_index, Some(comm))
 }
 
