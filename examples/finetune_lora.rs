@@ -257,6 +257,7 @@ fn main() -> Result<()> {
         micro_batch: cfg.train.micro_batch as u64,
         checkpointing: CheckpointPolicy::None,
         bucket_bytes: 25 << 20,
+        sequence_parallel: false,
     };
     let est = plan.estimate_frozen(frozen, trainable as u64)?;
     let full = plan.estimate()?;

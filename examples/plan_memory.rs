@@ -7,7 +7,8 @@
 //!
 //! Run: `cargo run --release --example plan_memory -- gpt3_175b --dp 64 --tp 8`
 //! (other presets: `gpt3_small` ... `gpt3_6_7b`, `small_cpu`, `tiny`; `--micro-batch N`,
-//! `--precision f32`).
+//! `--precision f32`, `--sequence-parallel` to split the activations tensor parallelism
+//! replicates over the tp ranks too).
 
 #[path = "common/alloc.rs"]
 mod alloc;
@@ -45,16 +46,18 @@ fn main() -> anyhow::Result<()> {
         Some("f32") => MemPrecision::F32,
         _ => MemPrecision::Mixed16,
     };
+    let sequence_parallel = args.iter().any(|a| a == "--sequence-parallel");
     let cfg = GptConfig::by_name(&preset)?;
     let shape = cfg.shape();
     println!(
-        "{preset}: {:.2}B parameters ({} layers, d_model {}, {} heads, ctx {}, vocab {}), dp={dp} tp={tp}, micro-batch {micro_batch}, {precision:?}",
+        "{preset}: {:.2}B parameters ({} layers, d_model {}, {} heads, ctx {}, vocab {}), dp={dp} tp={tp}{}, micro-batch {micro_batch}, {precision:?}",
         shape.params() as f64 / 1e9,
         shape.n_layers,
         shape.d_model,
         shape.n_heads,
         shape.ctx,
-        shape.vocab
+        shape.vocab,
+        if sequence_parallel { " sequence-parallel" } else { "" }
     );
     println!(
         "{:<11} {:>12} {:>10} {:>12} {:>13} {:>16} {:>9} {:>13} {:>16}",
@@ -83,6 +86,7 @@ fn main() -> anyhow::Result<()> {
             micro_batch,
             checkpointing: CheckpointPolicy::EveryBlock,
             bucket_bytes: 25 << 20,
+            sequence_parallel,
         };
         let e = plan.estimate()?;
         let no_ckpt = MemoryPlan {

@@ -1,9 +1,10 @@
 //! The main job's checkpoint out of kiln, through the binaries a user runs: `train_gpt` (its
-//! preset: `small_cpu`, dp=2 x tp=2, ZeRO-1, fp16, activation checkpointing; only shortened to
-//! 6 steps without evaluation), then `export_hf runs/.../checkpoints/latest OUT`. An
-//! independent GPT-2 in numpy (`scripts/gpt2_numpy_forward.py`) computes, from the exported
-//! files alone, the logits kiln computes from the checkpoint, within 1e-5; `sample --greedy`
-//! prints the same continuation from the checkpoint and from the export.
+//! preset: `small_cpu`, dp=2 x tp=2 with sequence parallelism, ZeRO-1, fp16, activation
+//! checkpointing; only shortened to 6 steps without evaluation), then
+//! `export_hf runs/.../checkpoints/latest OUT`. An independent GPT-2 in numpy
+//! (`scripts/gpt2_numpy_forward.py`) computes, from the exported files alone, the logits kiln
+//! computes from the checkpoint, within 1e-5; `sample --greedy` prints the same continuation
+//! from the checkpoint and from the export.
 //!
 //! Needs the `train_gpt`, `export_hf` and `sample` examples (`cargo test --workspace
 //! --release` builds them) and python3 with numpy (CI installs it; elsewhere the numpy part is
@@ -69,7 +70,10 @@ fn the_main_jobs_export_is_gpt2_to_numpy() {
         .output()
         .unwrap();
     let stdout = run_ok("train_gpt", run);
-    assert!(stdout.contains("dp=2 x tp=2, ZeRO-1, f16"), "{stdout}");
+    assert!(
+        stdout.contains("dp=2 x tp=2 (sequence-parallel), ZeRO-1, f16"),
+        "{stdout}"
+    );
 
     let latest = out.join("checkpoints/latest");
     let export = root.join("hf");

@@ -84,11 +84,12 @@ fn print_header(preset: &str, cfg: &RunConfig) -> anyhow::Result<()> {
         gpt.param_count() as f64 / 1e6
     );
     println!(
-        "  {} {} as dp={} x tp={}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}, on {}",
+        "  {} {} as dp={} x tp={}{}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}, on {}",
         cfg.parallel.world(),
         match cfg.parallel.backend { Backend::Thread => "thread ranks", Backend::Mpi => "MPI processes", _ => "NCCL processes" },
         cfg.parallel.dp,
         cfg.parallel.tp,
+        if cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 { " (sequence-parallel)" } else { "" },
         cfg.parallel.zero,
         cfg.precision.compute,
         if cfg.precision.compute == kiln_precision::ComputeDType::F32 { "" } else { " with dynamic loss scaling" },

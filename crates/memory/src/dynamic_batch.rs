@@ -22,6 +22,7 @@ use crate::segment::CheckpointPolicy;
 ///     shape: ModelShape { n_layers: 4, d_model: 256, n_heads: 4, ctx: 128, vocab: 8192 },
 ///     precision: MemPrecision::F32, stage: ShardingStage::Replicated,
 ///     dp: 2, tp: 1, micro_batch: 1, checkpointing: CheckpointPolicy::None, bucket_bytes: 25 << 20,
+///     sequence_parallel: false,
 /// };
 /// let need8 = MemoryPlan { micro_batch: 8, ..plan }.estimate()?.total();
 /// let db = DynamicBatch::new(plan, 32, need8)?; // 16 sequences per rank per step
@@ -150,6 +151,7 @@ mod tests {
             micro_batch: 1,
             checkpointing: CheckpointPolicy::None,
             bucket_bytes: 25 << 20,
+            sequence_parallel: false,
         }
     }
 

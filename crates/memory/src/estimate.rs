@@ -18,7 +18,10 @@
 //! 34·s·b·h + 5·a·s²·b bytes for Megatron's block in 16-bit with dropout; kiln's block has no
 //! dropout masks. With activation checkpointing a recomputed block keeps only its input (s·b·h),
 //! and one recomputed block's activations exist at a time, during its recomputation; the
-//! blocks a [`CheckpointPolicy`] leaves alone keep all of theirs.
+//! blocks a [`CheckpointPolicy`] leaves alone keep all of theirs. Under sequence parallelism
+//! ([`MemoryPlan::sequence_parallel`], with t > 1) the replicated part is split as well:
+//! 4·s·b·h / t per layer, a recomputed block's input s·b·h / t, and the embedding output
+//! s·b·h / t (Korthikanti et al.'s 34·s·b·h / t).
 
 use crate::error::{MemoryError, Result};
 use crate::segment::CheckpointPolicy;
@@ -118,6 +121,10 @@ pub struct MemoryPlan {
     pub checkpointing: CheckpointPolicy,
     /// Gradient bucket size in bytes (communication buffers; DDP's default is 25 MB).
     pub bucket_bytes: u64,
+    /// Megatron's sequence parallelism over the tensor-parallel group: the LayerNorm inputs
+    /// and outputs and the blocks' inputs are split over the `tp` ranks too.
+    #[serde(default)]
+    pub sequence_parallel: bool,
 }
 
 /// Bytes per rank, by category.
@@ -285,10 +292,13 @@ impl MemoryPlan {
         let s = &self.shape;
         let (sq, b, h, a, t) = (s.ctx, self.micro_batch, s.d_model, s.n_heads, self.tp);
         let c = self.precision.compute_bytes();
-        let per_layer = c * (s.ctx * b * h * 4 + s.ctx * b * h * 12 / t + 2 * a * sq * sq * b / t);
-        let layer_input = c * sq * b * h;
+        // what every tensor-parallel rank holds whole, unless the rows are split
+        let rep = if self.sequence_parallel { t } else { 1 };
+        let per_layer =
+            c * (s.ctx * b * h * 4 / rep + s.ctx * b * h * 12 / t + 2 * a * sq * sq * b / t);
+        let layer_input = c * sq * b * h / rep;
         // embedding output, logits and their gradient (vocab-parallel)
-        let ends = c * sq * b * h + 2 * c * sq * b * s.vocab / t;
+        let ends = c * sq * b * h / rep + 2 * c * sq * b * s.vocab / t;
         let recomputed = self.checkpointing.recomputed_blocks(s.n_layers);
         if recomputed == 0 {
             return s.n_layers * per_layer + ends;
@@ -323,6 +333,7 @@ mod tests {
             micro_batch: 1,
             checkpointing: CheckpointPolicy::EveryBlock,
             bucket_bytes: 25 << 20,
+            sequence_parallel: false,
         }
     }
 
@@ -399,6 +410,25 @@ mod tests {
         let ends = without - 96 * per_layer;
         assert_eq!(quarter, 24 * layer_input + 73 * per_layer + ends);
         assert!(with < quarter && quarter < without);
+    }
+
+    #[test]
+    fn sequence_parallelism_splits_every_activation_over_tp() {
+        // with the rows split too, every activation of a rank is the tp = 1 count over t
+        for policy in [CheckpointPolicy::None, CheckpointPolicy::EveryBlock] {
+            let mut p = plan(ShardingStage::Zero1, 8);
+            p.checkpointing = policy;
+            let whole = p.activation_bytes();
+            p.tp = 8;
+            let plain = p.activation_bytes();
+            p.sequence_parallel = true;
+            let split = p.activation_bytes();
+            assert_eq!(split, whole / 8, "{policy:?}");
+            assert!(
+                split < plain && plain < whole,
+                "{policy:?}: {split} {plain} {whole}"
+            );
+        }
     }
 
     #[test]

@@ -18,6 +18,7 @@
 //! let plan = MemoryPlan {
 //!     shape, precision: MemPrecision::Mixed16, stage: ShardingStage::Zero3,
 //!     dp: 64, tp: 1, micro_batch: 1, checkpointing: CheckpointPolicy::EveryBlock, bucket_bytes: 25 << 20,
+//!     sequence_parallel: false,
 //! };
 //! let e = plan.estimate()?;
 //! // ZeRO-3: 16 bytes per parameter (2 + 2 + 12) spread over 64 ranks: about 43.6 GB each

@@ -274,6 +274,7 @@ fn dynamic_batch_picks_the_micro_batch_and_keeps_the_trajectory() {
             micro_batch: mb,
             checkpointing: kiln_memory::CheckpointPolicy::None,
             bucket_bytes: cfg.parallel.bucket_bytes() as u64,
+            sequence_parallel: false,
         }
         .estimate()
         .unwrap()

@@ -191,6 +191,7 @@ fn frozen_parameters_never_move_and_hold_no_optimizer_state() {
         micro_batch: 4,
         checkpointing: CheckpointPolicy::None,
         bucket_bytes: 25 << 20,
+        sequence_parallel: false,
     };
     let est = plan.estimate_frozen(frozen, trainable).unwrap();
     let (w, g, o) = engine.model_state_bytes();

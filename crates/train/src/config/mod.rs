@@ -101,8 +101,8 @@ impl Default for RunConfig {
 impl RunConfig {
     /// A named starting point (see [`RUN_PRESETS`]):
     /// - `tiny`: the `tiny` model, one rank, f32, 50 steps; for tests and quick checks.
-    /// - `train_gpt`: the GPT-3 architecture scaled down (`small_cpu`), dp=2 x tp=2, ZeRO-1,
-    ///   f16 with dynamic loss scaling, activation checkpointing of one block in four,
+    /// - `train_gpt`: the GPT-3 architecture scaled down (`small_cpu`), dp=2 x tp=2 with
+    ///   sequence parallelism, ZeRO-1, f16 with dynamic loss scaling, activation checkpointing of one block in four,
     ///   warmup and cosine decay, clipping, checkpoints, spike detection with rollback, JSONL,
     ///   TensorBoard and PNG; the corpus
     ///   through the perplexity filter, its three corpora mixed equally for 100 steps and then
@@ -124,6 +124,9 @@ impl RunConfig {
                 dp,
                 tp,
                 zero,
+                // the LayerNorms, residuals and biases on each tensor-parallel rank's share of
+                // the token rows, not repeated on every one
+                sequence_parallel: tp > 1,
                 ..ParallelSection::default()
             },
             precision: PrecisionSection {

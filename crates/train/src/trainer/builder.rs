@@ -549,6 +549,7 @@ fn plan_dynamic_batch(cfg: &RunConfig, budget_mib: f64) -> Result<(usize, usize,
         micro_batch: 1,
         checkpointing: cfg.train.activation_checkpointing,
         bucket_bytes: p.bucket_bytes() as u64,
+        sequence_parallel: p.sequence_parallel && p.tp > 1,
     };
     let global = (cfg.train.rank_batch() * p.dp) as u64;
     let db = DynamicBatch::new(plan, global, budget)
