@@ -7,7 +7,8 @@
 //! the loader; `forward` and `backward`: the model, recomputation counted as backward;
 //! `grad_sync`: waiting for the gradient collectives after the backward; `optimizer`: unscale,
 //! norm, clipping, AdamW and the parameter write-back; `other`: the rest), and `peak_rss_mib`
-//! (the process's high-water mark); `bf16_kernel` says how this CPU runs bf16 products (`dot`:
+//! (the process's high-water mark); `sequence_parallel` whether the tensor-parallel ranks split
+//! the token rows; `bf16_kernel` says how this CPU runs bf16 products (`dot`:
 //! the `avx512_bf16` dot product; `fma`: the f32 kernel on rounded operands).
 //!
 //! With no arguments: the `small_cpu` preset (vocabulary 8192, context 128, d_model 256, 4
@@ -42,7 +43,8 @@
 //! sequence length), `--vocab N`, `--batch N` (global sequences per step), `--dtype
 //! f32|bf16|f16`, `--dp N`, `--tp N`, `--zero 0..3`, `--checkpointing none|every_block|every_<k>`,
 //! `--steps N` (default 25; the median is over steps 5 to N), `--lr X`, `--bare-candle` (no
-//! value; f32, dp 1, tp 1, ZeRO 0 and no checkpointing only).
+//! value; f32, dp 1, tp 1, ZeRO 0 and no checkpointing only), `--sequence-parallel` (no value;
+//! Megatron's sequence parallelism when `--tp` is above 1).
 
 #[path = "common/alloc.rs"]
 mod alloc;
@@ -113,6 +115,7 @@ struct Report<'a> {
     dtype: &'a str,
     dp: usize,
     tp: usize,
+    sequence_parallel: bool,
     zero_stage: u8,
     checkpointing: CheckpointPolicy,
     steps: usize,
@@ -135,7 +138,7 @@ impl Report<'_> {
             kiln_parallel::tp::Bf16Kernel::Fma => "fma",
         };
         format!(
-            "{{\"bench\":\"train\",\"mode\":\"{}\",\"preset\":\"{}\",\"d_model\":{},\"layers\":{},\"heads\":{},\"ctx\":{seq},\"vocab\":{},\"params\":{},\"batch\":{},\"dtype\":\"{}\",\"bf16_kernel\":\"{}\",\"dp\":{},\"tp\":{},\"zero_stage\":{},\"checkpointing\":\"{}\",\"steps\":{},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"data_s\":{:.4},\"forward_s\":{:.4},\"backward_s\":{:.4},\"grad_sync_s\":{:.4},\"optimizer_s\":{:.4},\"other_s\":{other:.4},\"peak_rss_mib\":{:.1}}}",
+            "{{\"bench\":\"train\",\"mode\":\"{}\",\"preset\":\"{}\",\"d_model\":{},\"layers\":{},\"heads\":{},\"ctx\":{seq},\"vocab\":{},\"params\":{},\"batch\":{},\"dtype\":\"{}\",\"bf16_kernel\":\"{}\",\"dp\":{},\"tp\":{},\"sequence_parallel\":{},\"zero_stage\":{},\"checkpointing\":\"{}\",\"steps\":{},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"data_s\":{:.4},\"forward_s\":{:.4},\"backward_s\":{:.4},\"grad_sync_s\":{:.4},\"optimizer_s\":{:.4},\"other_s\":{other:.4},\"peak_rss_mib\":{:.1}}}",
             self.mode,
             self.preset,
             self.cfg.d_model,
@@ -148,6 +151,7 @@ impl Report<'_> {
             bf16_kernel,
             self.dp,
             self.tp,
+            self.sequence_parallel,
             self.zero_stage,
             self.checkpointing,
             self.steps,
@@ -166,7 +170,8 @@ impl Report<'_> {
 fn main() -> anyhow::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let bare_candle = args.iter().any(|a| a == "--bare-candle");
-    args.retain(|a| a != "--bare-candle");
+    let sequence_parallel = args.iter().any(|a| a == "--sequence-parallel");
+    args.retain(|a| a != "--bare-candle" && a != "--sequence-parallel");
     let known = [
         "--preset",
         "--d-model",
@@ -186,7 +191,8 @@ fn main() -> anyhow::Result<()> {
     for pair in args.chunks(2) {
         if !known.contains(&pair[0].as_str()) || pair.len() < 2 {
             anyhow::bail!(
-                "unknown flag or missing value: {:?}; flags: {} and --bare-candle (no value)",
+                "unknown flag or missing value: {:?}; flags: {} and --bare-candle, \
+                 --sequence-parallel (no value)",
                 pair,
                 known.join(" ")
             );
@@ -254,6 +260,7 @@ fn main() -> anyhow::Result<()> {
         dtype: &dtype_name,
         dp,
         tp,
+        sequence_parallel: sequence_parallel && tp > 1,
         zero_stage: stage.number(),
         checkpointing: checkpoint,
         steps,
@@ -308,7 +315,9 @@ fn main() -> anyhow::Result<()> {
         let tpc: Arc<dyn Communicator> = Arc::from(groups.tp);
         let model = Gpt::tensor_parallel(
             &cfg,
-            &GptOptions::seeded(1).with_compute_dtype(dtype),
+            &GptOptions::seeded(1)
+                .with_compute_dtype(dtype)
+                .with_sequence_parallel(sequence_parallel),
             tpc.clone(),
         )?;
         let dpc = DataParallelConfig {
