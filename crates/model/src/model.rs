@@ -105,9 +105,10 @@ impl Gpt {
     /// rank's Megatron shards over `tp` (a [`TensorParallelFactory`], or a wrapper around one
     /// such as a LoRA factory); the embedding and head are vocab-parallel over `tp`. With
     /// [`GptOptions::sequence_parallel`] (and more than one rank) every layer must take split
-    /// token rows ([`LinearLayer::sequence_parallel`](crate::LinearLayer::sequence_parallel)), and without it none may; otherwise,
-    /// and where `n_ctx` is not a multiple of the degree, this is a
-    /// [`ModelError::SequenceParallel`] naming the layer or the sizes.
+    /// token rows
+    /// ([`LinearLayer::sequence_parallel`](crate::LinearLayer::sequence_parallel)), and
+    /// without it none may; otherwise, and where `n_ctx` is not a multiple of the degree,
+    /// this is a [`ModelError::SequenceParallel`] naming the layer or the sizes.
     pub fn tensor_parallel_with_factory(
         cfg: &GptConfig,
         opts: &GptOptions,
@@ -270,9 +271,10 @@ impl Gpt {
     }
 
     /// Every trainable parameter with how it is split over tensor-parallel ranks: the
-    /// vocab-parallel `wte` by rows, each linear layer as its [`LinearSpec::param_splits`](crate::LinearSpec::param_splits) (or
-    /// the layer itself, [`LinearLayer::param_splits`](crate::LinearLayer::param_splits)) says, the position embedding and the
-    /// LayerNorms replicated. The same list at every degree (tp = 1 included), in
+    /// vocab-parallel `wte` by rows, each linear layer as its
+    /// [`LinearSpec::param_splits`](crate::LinearSpec::param_splits) (or the layer itself,
+    /// [`LinearLayer::param_splits`](crate::LinearLayer::param_splits)) says, the position
+    /// embedding and the LayerNorms replicated. The same list at every degree (tp = 1 included), in
     /// [`Gpt::named_parameters`] order; data-parallel engines use it to count replicated
     /// gradients once in the global norm and to lay out checkpoints.
     pub fn param_splits(&self) -> Vec<(String, TpSplit)> {
@@ -305,9 +307,9 @@ impl Gpt {
     }
 
     /// Every trainable parameter with what it is, for the optimizer's parameter groups
-    /// ([`kiln_optim::WeightDecayGroups`]): `wte` and `wpe` embeddings, each linear layer's
-    /// weight and bias as its [`LinearSpec::param_kinds`](crate::LinearSpec::param_kinds) (or the layer itself) says, the
-    /// LayerNorms' gains and shifts norms. In [`Gpt::named_parameters`] order.
+    /// ([`kiln_optim::WeightDecayGroups`]): `wte` and `wpe` embeddings, each linear layer's weight
+    /// and bias as its [`LinearSpec::param_kinds`](crate::LinearSpec::param_kinds) (or the layer
+    /// itself) says, the LayerNorms' gains and shifts norms. In [`Gpt::named_parameters`] order.
     pub fn param_kinds(&self) -> Vec<(String, ParamKind)> {
         let linear: HashMap<&str, ParamKind> = self
             .blocks

@@ -27,16 +27,16 @@ pub struct GptOptions {
     /// Targets equal to this id are left out of the loss (padding).
     pub ignore_index: Option<u32>,
     /// Megatron-LM's sequence parallelism for a tensor-parallel model
-    /// ([`Gpt::tensor_parallel`](crate::Gpt::tensor_parallel) over more than one rank; no effect otherwise): the
-    /// LayerNorms, residual adds and row-parallel biases, which every tensor-parallel rank
-    /// otherwise computes whole, run on this rank's `1 / tp` of the token rows (see
-    /// [`kiln_parallel::tp::sequence_parallel_rows`]), and the hidden states between segments
+    /// ([`Gpt::tensor_parallel`](crate::Gpt::tensor_parallel) over more than one rank; no effect
+    /// otherwise): the LayerNorms, residual adds and row-parallel biases, which every
+    /// tensor-parallel rank otherwise computes whole, run on this rank's `1 / tp` of the token rows
+    /// (see [`kiln_parallel::tp::sequence_parallel_rows`]), and the hidden states between segments
     /// are those rows, shaped `[b, t / tp, d]`. The column-parallel layers all-gather the rows
-    /// before their products and the row-parallel ones reduce-scatter after theirs, in place
-    /// of the all-reduces; the replicated parameters' gradients are summed over the group.
-    /// The loss and gradients equal the unsplit model's up to the order of the sums over rows.
-    /// The sequence length of a loss must be a multiple of the degree ([`Gpt::forward`](crate::Gpt::forward) pads
-    /// the tokens it is given at the end), and so must `n_ctx`.
+    /// before their products and the row-parallel ones reduce-scatter after theirs, in place of the
+    /// all-reduces; the replicated parameters' gradients are summed over the group. The loss and
+    /// gradients equal the unsplit model's up to the order of the sums over rows. The sequence
+    /// length of a loss must be a multiple of the degree ([`Gpt::forward`](crate::Gpt::forward)
+    /// pads the tokens it is given at the end), and so must `n_ctx`.
     pub sequence_parallel: bool,
 }
 

@@ -102,11 +102,11 @@ impl RunConfig {
     /// A named starting point (see [`RUN_PRESETS`]):
     /// - `tiny`: the `tiny` model, one rank, f32, 50 steps; for tests and quick checks.
     /// - `train_gpt`: the GPT-3 architecture scaled down (`small_cpu`), dp=2 x tp=2 with
-    ///   sequence parallelism, ZeRO-1, f16 with dynamic loss scaling, activation checkpointing of one block in four,
-    ///   warmup and cosine decay, clipping, checkpoints, spike detection with rollback, JSONL,
-    ///   TensorBoard and PNG; the corpus
-    ///   through the perplexity filter, its three corpora mixed equally for 100 steps and then
-    ///   3:1:1, the drift monitor watching.
+    ///   sequence parallelism, ZeRO-1, f16 with dynamic loss scaling, activation
+    ///   checkpointing of one block in four, warmup and cosine decay, clipping, checkpoints,
+    ///   spike detection with rollback, JSONL, TensorBoard and PNG; the corpus through the
+    ///   perplexity filter, its three corpora mixed equally for 100 steps and then 3:1:1, the
+    ///   drift monitor watching.
     /// - `train_gpt_zero3`: `train_gpt` on dp=4 with ZeRO-3, the micro-batch chosen by the
     ///   memory estimate under a budget of 1 GiB per rank.
     /// - `train_gpt_tp`: `train_gpt` on tp=4.
