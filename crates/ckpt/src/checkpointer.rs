@@ -208,8 +208,9 @@ impl Checkpointer {
 
     /// [`Checkpointer::save_async`] of a [`Snapshot`]: the background thread first copies
     /// the snapshot's deferred parts (releasing each [`crate::Guarded`] component as soon as
-    /// it is copied, so the loop's next write to it waits at most for that copy), then
-    /// writes and commits. The checkpoint holds every deferred component's value as of
+    /// it is copied, so the loop's next write to it waits at most for that copy), builds the
+    /// parts added with [`Snapshot::build_later`] with its own communicator, then writes and
+    /// commits. The checkpoint holds every deferred component's value as of
     /// [`Snapshot::defer`]; the bytes are those a [`Checkpointer::save`] of the same values
     /// writes. A deferred copy that fails fails the save on every rank (seen on
     /// [`Checkpointer::wait`]).
@@ -229,7 +230,7 @@ impl Checkpointer {
         self.last_save = Instant::now();
         let handle = std::thread::Builder::new()
             .name(format!("kiln-ckpt-writer-{}", comm.rank()))
-            .spawn(move || match snapshot.into_state() {
+            .spawn(move || match snapshot.into_state_with(&*bg) {
                 Ok(state) => write_checkpoint(&ctx, &*bg, step, Ok(&state)),
                 Err(e) => write_checkpoint(&ctx, &*bg, step, Err(e)),
             })?;

@@ -10,6 +10,7 @@
 
 use crate::error::{CkptError, Result};
 use crate::state::RankState;
+use kiln_comm::Communicator;
 use kiln_state::{StateDict, Stateful};
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
@@ -245,15 +246,20 @@ impl Drop for Lease {
     }
 }
 
+/// A part's state built on the checkpoint writer's thread, given the writer's communicator.
+type Build = Box<dyn FnOnce(&dyn Communicator) -> Result<StateDict> + Send>;
+
 /// What one rank hands to [`crate::Checkpointer::save_async_snapshot`]: parts copied when
-/// added ([`Snapshot::capture`], [`Snapshot::insert`]) and parts deferred to the writer
-/// thread ([`Snapshot::defer`]), which copies each as its first job and then releases it.
+/// added ([`Snapshot::capture`], [`Snapshot::insert`]), parts deferred to the writer
+/// thread ([`Snapshot::defer`]), which copies each as its first job and then releases it, and
+/// parts the writer thread builds ([`Snapshot::build_later`]).
 ///
 /// Dropping a snapshot releases its leases.
 #[derive(Default)]
 pub struct Snapshot {
     state: RankState,
     deferred: Vec<(String, Lease)>,
+    built: Vec<(String, Build)>,
 }
 
 impl std::fmt::Debug for Snapshot {
@@ -264,6 +270,10 @@ impl std::fmt::Debug for Snapshot {
                 "deferred",
                 &self.deferred.iter().map(|(n, _)| n).collect::<Vec<_>>(),
             )
+            .field(
+                "built",
+                &self.built.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
@@ -273,6 +283,7 @@ impl From<RankState> for Snapshot {
         Snapshot {
             state,
             deferred: Vec::new(),
+            built: Vec::new(),
         }
     }
 }
@@ -285,7 +296,10 @@ impl Snapshot {
 
     fn check_new(&self, part: &str) -> Result<()> {
         crate::state::check_part_name(part)?;
-        if self.state.part(part).is_some() || self.deferred.iter().any(|(n, _)| n == part) {
+        if self.state.part(part).is_some()
+            || self.deferred.iter().any(|(n, _)| n == part)
+            || self.built.iter().any(|(n, _)| n == part)
+        {
             return Err(CkptError::Config(format!(
                 "part {part} is already in the snapshot"
             )));
@@ -320,24 +334,63 @@ impl Snapshot {
         Ok(())
     }
 
-    /// Names of the parts, copied and deferred, sorted.
+    /// Adds a part whose state the writer thread builds, after the deferred copies, by calling
+    /// `build` with its own communicator: the ranks and order of the one the save is called
+    /// with, free for collectives that must not interleave with the training loop's. For state
+    /// the caller has already copied (into buffers it reuses from save to save) but whose
+    /// checkpoint form costs more to make, such as a sharded engine's gathers over its
+    /// data-parallel group.
+    ///
+    /// Where `build` is collective, every rank must add the same built parts in the same
+    /// order; the writer runs every built part even when an earlier part failed, so that no
+    /// rank is left waiting in a collective.
+    pub fn build_later(
+        &mut self,
+        part: &str,
+        build: impl FnOnce(&dyn Communicator) -> Result<StateDict> + Send + 'static,
+    ) -> Result<()> {
+        self.check_new(part)?;
+        self.built.push((part.to_string(), Box::new(build)));
+        Ok(())
+    }
+
+    /// Names of the parts, copied, deferred and built later, sorted.
     pub fn part_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self
             .state
             .part_names()
             .map(str::to_string)
             .chain(self.deferred.iter().map(|(n, _)| n.clone()))
+            .chain(self.built.iter().map(|(n, _)| n.clone()))
             .collect();
         names.sort();
         names
     }
 
     /// Copies the deferred parts (each released as soon as it is copied, the rest released
-    /// even if one fails) and returns the whole state.
+    /// even if one fails) and returns the whole state. A snapshot with parts built later
+    /// needs [`Snapshot::into_state_with`].
     pub fn into_state(self) -> Result<RankState> {
+        if let Some((part, _)) = self.built.first() {
+            return Err(CkptError::Config(format!(
+                "part {part} is built with a communicator: use into_state_with"
+            )));
+        }
+        self.finish(None)
+    }
+
+    /// [`Snapshot::into_state`], then builds the parts added with [`Snapshot::build_later`]
+    /// with `comm`, every one of them even if an earlier part failed; the first error is
+    /// returned.
+    pub fn into_state_with(self, comm: &dyn Communicator) -> Result<RankState> {
+        self.finish(Some(comm))
+    }
+
+    fn finish(self, comm: Option<&dyn Communicator>) -> Result<RankState> {
         let Snapshot {
             mut state,
             deferred,
+            built,
         } = self;
         let mut first_err = None;
         for (part, lease) in deferred {
@@ -348,6 +401,14 @@ impl Snapshot {
             match lease.copy().and_then(|sd| state.insert(&part, sd)) {
                 Ok(()) => {}
                 Err(e) => first_err = Some(e),
+            }
+        }
+        if let Some(comm) = comm {
+            for (part, build) in built {
+                let made = build(comm).and_then(|sd| state.insert(&part, sd));
+                if let (Err(e), None) = (made, &first_err) {
+                    first_err = Some(e);
+                }
             }
         }
         match first_err {

@@ -151,3 +151,79 @@ fn a_failed_deferred_copy_fails_the_save_on_every_rank() {
         out[0]
     );
 }
+
+/// A built part: the sum of every rank's `mine` over the writer's communicator, and its size.
+fn summed(
+    mine: f64,
+) -> impl FnOnce(&dyn Communicator) -> kiln_ckpt::Result<StateDict> + Send + 'static {
+    move |c| {
+        use kiln_comm::{CommExt, ReduceOp};
+        let total = c.all_reduce_scalar(mine, ReduceOp::Sum)?;
+        let mut sd = StateDict::new();
+        sd.set_meta("total", total)?;
+        sd.set_meta("writer_world", c.world_size())?;
+        Ok(sd)
+    }
+}
+
+/// A part built on the writer thread (`Snapshot::build_later`) gets the writer's own
+/// communicator, the ranks of the save's, so its collectives run beside the loop's: here an
+/// all-reduce of the ranks' values, which the checkpoint then holds. A build that fails on
+/// one rank fails the save on every rank (the other builds still run), and a snapshot with a
+/// built part cannot be turned into state without a communicator.
+#[test]
+fn parts_built_on_the_writer_thread_use_its_communicator() {
+    use kiln_comm::{CommExt, ReduceOp};
+    let dir = TempDir::new("built-part");
+    let storage: Arc<dyn Storage> = dir.storage();
+    let out = run_ranks(2, |comm| {
+        let mut ck = Checkpointer::new(Arc::clone(&storage), config())?;
+        let mine = 10.0 * (comm.rank() as f64 + 1.0);
+        let mut snap = Snapshot::new();
+        snap.capture("step", &Step(3))?;
+        snap.build_later("sum", summed(mine))?;
+        assert!(matches!(
+            snap.build_later("sum", |_| Ok(StateDict::new())),
+            Err(CkptError::Config(_))
+        ));
+        // the loop's own collective, while the writer thread runs its build
+        let loop_sum = comm.all_reduce_scalar(1u32, ReduceOp::Sum)?;
+        ck.save_async_snapshot(&comm, 3, snap)?;
+        assert_eq!(loop_sum, 2);
+        ck.wait()?;
+        let loaded = ck.load_step(&comm, 3)?;
+        let part = loaded.state.part("sum").expect("the built part");
+        assert_eq!(part.meta::<f64>("total")?, 30.0);
+        assert_eq!(part.meta::<usize>("writer_world")?, 2);
+
+        // a build failing on rank 1: every rank's save fails, rank 0's build still ran
+        let fail = comm.rank() == 1;
+        let mut snap = Snapshot::new();
+        snap.build_later("bad", move |_| {
+            if fail {
+                return Err(CkptError::Config("the build failed".into()));
+            }
+            Ok(StateDict::new())
+        })?;
+        snap.build_later("sum", summed(mine))?;
+        ck.save_async_snapshot(&comm, 4, snap)?;
+        let e = ck.wait().unwrap_err();
+        assert_eq!(ck.committed_steps()?, vec![3]);
+
+        let mut snap = Snapshot::new();
+        snap.build_later("x", |_| Ok(StateDict::new()))?;
+        let no_comm = snap.into_state().unwrap_err().to_string();
+        assert!(no_comm.contains("into_state_with"), "{no_comm}");
+        Ok(e)
+    });
+    assert!(
+        matches!(&out[1], CkptError::Config(m) if m.contains("the build failed")),
+        "{}",
+        out[1]
+    );
+    assert!(
+        matches!(&out[0], CkptError::PeerFailed { op: "save", ranks, .. } if ranks == &[1]),
+        "{}",
+        out[0]
+    );
+}

@@ -36,4 +36,4 @@ pub use dims::{Groups, ParallelDims};
 pub use engine::{DataParallel, DataParallelConfig, Stage, StepPreview, StepReport};
 pub use error::{ParallelError, Result};
 pub use flat::{tensor_into_slice, write_var, FlatLayout, ParamSlot, Unit, DEFAULT_BUCKET_BYTES};
-pub use state::{checkpoint_geometry, PlannedParam, ShardPlan};
+pub use state::{checkpoint_geometry, PlannedParam, ShardPlan, StagedState};

@@ -338,6 +338,117 @@ impl ShardPlan {
     }
 }
 
+/// A [`DataParallel`]'s checkpoint state copied on the training thread
+/// ([`DataParallel::stage_state`]: plain copies of the master weights and the optimizer's
+/// buffers into buffers kept from the previous save) and turned into its [`StateDict`] later,
+/// on any thread ([`StagedState::state`]): the engine's part of an asynchronous checkpoint
+/// whose gathers over the data-parallel group and tensor building run on the checkpoint
+/// writer's thread (`kiln_ckpt::Snapshot::build_later`). The state is bitwise what the
+/// engine's [`Stateful::state`] gives at the time of the copy.
+#[derive(Debug, Default)]
+pub struct StagedState {
+    plan: Option<ShardPlan>,
+    master: Vec<Vec<f32>>,
+    /// Per optimizer buffer, per unit.
+    buffers: Vec<Vec<Vec<f32>>>,
+    prefixes: Vec<String>,
+    optimizer: &'static str,
+    step: u64,
+}
+
+/// Copies `src` into `dst`, keeping `dst`'s allocations.
+fn copy_units(dst: &mut Vec<Vec<f32>>, src: &[&[f32]]) {
+    dst.resize_with(src.len(), Vec::new);
+    for (d, s) in dst.iter_mut().zip(src) {
+        d.clear();
+        d.extend_from_slice(s);
+    }
+}
+
+impl StagedState {
+    /// An empty stage; [`DataParallel::stage_state`] fills it.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The staged state as a checkpoint part. Where the engine splits parameters over a
+    /// tensor-parallel group (`tp > 1`), this gathers each data-parallel group's chunks:
+    /// `comm` must then span the engine's whole world (data x tensor parallel) in its rank
+    /// order, as a checkpoint writer's communicator does; it is split into the data-parallel
+    /// groups (`ParallelDims::build_groups`' colours), collectively. With `tp == 1` nothing is
+    /// communicated.
+    pub fn state(&self, comm: &dyn Communicator) -> kiln_state::Result<StateDict> {
+        let plan = self
+            .plan
+            .as_ref()
+            .ok_or_else(|| engine_err("nothing staged: call DataParallel::stage_state first"))?;
+        let group;
+        let dp: &dyn Communicator = if plan.tp > 1 {
+            let world = plan.dp * plan.tp;
+            let rank = plan.dp_rank * plan.tp + plan.tp_rank;
+            if comm.world_size() != world || comm.rank() != rank {
+                return Err(engine_err(format!(
+                    "staged state of rank {rank} of dp {} x tp {} = {world}: the communicator \
+                     is rank {} of {}",
+                    plan.dp,
+                    plan.tp,
+                    comm.rank(),
+                    comm.world_size()
+                )));
+            }
+            group = comm
+                .split(plan.tp_rank as u32, rank as u32)
+                .map_err(engine_err)?;
+            &*group
+        } else {
+            comm
+        };
+        let master: Vec<&[f32]> = self.master.iter().map(Vec::as_slice).collect();
+        let bufs: Vec<Vec<&[f32]>> = self
+            .buffers
+            .iter()
+            .map(|b| b.iter().map(Vec::as_slice).collect())
+            .collect();
+        engine_state(
+            plan,
+            dp,
+            &master,
+            &bufs,
+            (&self.prefixes, self.optimizer, self.step),
+        )
+    }
+}
+
+impl DataParallel {
+    /// Copies this rank's checkpoint state into `staged`, reusing its buffers: the master
+    /// weights and the optimizer's buffers (from the device when the step is
+    /// device-resident), with what [`StagedState::state`] needs to make the checkpoint part
+    /// later. No communication.
+    pub fn stage_state(&self, staged: &mut StagedState) -> Result<()> {
+        staged.plan = Some(self.shard_plan()?);
+        let device = self.device_snapshot()?;
+        let master: Vec<&[f32]> = match &device {
+            Some((m, _)) => m.iter().map(Vec::as_slice).collect(),
+            None => self.master().iter().map(Vec::as_slice).collect(),
+        };
+        copy_units(&mut staged.master, &master);
+        let opt = self.optimizers();
+        let (name, prefixes) = self.optimizer_layout();
+        staged.buffers.resize_with(prefixes.len(), Vec::new);
+        for (b, dst) in staged.buffers.iter_mut().enumerate() {
+            let bufs: Vec<&[f32]> = match &device {
+                Some((_, ob)) => ob[b].iter().map(Vec::as_slice).collect(),
+                None => opt.iter().map(|o| o.state_buffers()[b].1).collect(),
+            };
+            copy_units(dst, &bufs);
+        }
+        staged.prefixes = prefixes;
+        staged.optimizer = name;
+        staged.step = opt.first().map_or(0, |o| o.step_count());
+        Ok(())
+    }
+}
+
 impl DataParallel {
     /// Where this rank's pieces of every parameter go in a checkpoint.
     pub fn shard_plan(&self) -> Result<ShardPlan> {
@@ -385,33 +496,54 @@ impl DataParallel {
     }
 }
 
+/// The checkpoint state of `master` and the optimizer's buffers `bufs[b]` (named
+/// `prefixes[b]`) under `plan`: what [`DataParallel`]'s [`Stateful::state`] gives, from the
+/// engine itself or from a [`StagedState`]. Collective over `dp` when `tp > 1`.
+fn engine_state(
+    plan: &ShardPlan,
+    dp: &dyn Communicator,
+    master: &[&[f32]],
+    bufs: &[Vec<&[f32]>],
+    (prefixes, name, step): (&[String], &str, u64),
+) -> kiln_state::Result<StateDict> {
+    let mut sd = StateDict::new();
+    plan.save_buffers(dp, &mut sd, PARAM, master)?;
+    for (prefix, b) in prefixes.iter().zip(bufs) {
+        plan.save_buffers(dp, &mut sd, prefix, b)?;
+    }
+    sd.set_meta("step", step)?;
+    sd.set_meta("optimizer", name)?;
+    Ok(sd)
+}
+
 /// The master weights and the optimizer's buffers and step count, per parameter. `state` is
 /// collective over the data-parallel group when `tp > 1`; `load_state` is collective over it
 /// always (the model's variables are refreshed from the loaded master).
 impl Stateful for DataParallel {
     fn state(&self) -> kiln_state::Result<StateDict> {
         let plan = self.shard_plan().map_err(engine_err)?;
-        let dp = self.dp_comm();
-        let mut sd = StateDict::new();
         // a device-resident step's buffers are copied to the host here, and only here
         let device = self.device_snapshot().map_err(engine_err)?;
         let master: Vec<&[f32]> = match &device {
             Some((m, _)) => m.iter().map(Vec::as_slice).collect(),
             None => self.master().iter().map(Vec::as_slice).collect(),
         };
-        plan.save_buffers(dp, &mut sd, PARAM, &master)?;
         let opt = self.optimizers();
         let (name, prefixes) = self.optimizer_layout();
-        for (b, prefix) in prefixes.iter().enumerate() {
-            let bufs: Vec<&[f32]> = match &device {
+        let bufs: Vec<Vec<&[f32]>> = (0..prefixes.len())
+            .map(|b| match &device {
                 Some((_, ob)) => ob[b].iter().map(Vec::as_slice).collect(),
                 None => opt.iter().map(|o| o.state_buffers()[b].1).collect(),
-            };
-            plan.save_buffers(dp, &mut sd, prefix, &bufs)?;
-        }
-        sd.set_meta("step", opt.first().map_or(0, |o| o.step_count()))?;
-        sd.set_meta("optimizer", name)?;
-        Ok(sd)
+            })
+            .collect();
+        let step = opt.first().map_or(0, |o| o.step_count());
+        engine_state(
+            &plan,
+            self.dp_comm(),
+            &master,
+            &bufs,
+            (&prefixes, name, step),
+        )
     }
 
     fn load_state(&mut self, state: StateDict) -> kiln_state::Result<()> {

@@ -723,3 +723,50 @@ fn another_optimizers_state_round_trips_and_a_mismatch_is_an_error() {
         kiln_testkit::assert_bitwise_eq(&a, &b);
     }
 }
+
+/// A staged copy turns into exactly the state the engine had when it was copied, after the
+/// engine has stepped on: at dp=2 ZeRO-1 (nothing communicated when built) and at dp=2 x tp=2
+/// (the chunks gathered over the data-parallel group split from the world communicator).
+/// Building before anything was staged, or with a communicator that is not the world, is an
+/// error naming the sizes.
+#[test]
+fn staged_state_is_the_live_state_at_the_copy() {
+    use kiln_parallel::{ParallelDims, StagedState};
+    use kiln_state::Stateful;
+    use std::sync::Arc;
+    for tp in [1usize, 2] {
+        let outs = run_ranks(2 * tp, |world: ThreadComm| {
+            let dims = ParallelDims { dp: 2, tp };
+            let groups = dims.build_groups(&world)?;
+            let dp_comm: Arc<dyn Communicator> = Arc::from(groups.dp);
+            let per = BATCH / 2;
+            let lo = dims.dp_rank(world.rank()) * per;
+            let mut scaler = NoScaler;
+            let mut a = DataParallel::new(&params(), &*dp_comm, cfg(Stage::Zero1))?;
+            if tp > 1 {
+                a = a.with_tensor_parallel(Arc::from(groups.tp));
+            }
+            let mut staged = StagedState::new();
+            let empty = staged.state(&world).unwrap_err().to_string();
+            assert!(empty.contains("nothing staged"), "{empty}");
+            for s in 0..3 {
+                a.step(&Toy, &[batch(s, lo, lo + per)], LR, &mut scaler)?;
+            }
+            let live = a.state()?;
+            a.stage_state(&mut staged)?;
+            a.step(&Toy, &[batch(3, lo, lo + per)], LR, &mut scaler)?;
+            let built = staged.state(&world)?;
+            assert_eq!(built, live, "tp {tp} rank {}", world.rank());
+            assert_ne!(a.state()?, live, "the engine moved on");
+            // staged again into the same buffers: the new values
+            a.stage_state(&mut staged)?;
+            assert_eq!(staged.state(&world)?, a.state()?);
+            if tp > 1 {
+                let e = staged.state(&*dp_comm).unwrap_err().to_string();
+                assert!(e.contains("dp 2 x tp 2 = 4") && e.contains("of 2"), "{e}");
+            }
+            Ok(())
+        });
+        assert_eq!(outs.len(), 2 * tp);
+    }
+}

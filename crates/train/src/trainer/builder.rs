@@ -467,6 +467,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
             rollbacks: Vec::new(),
             resumed_from: None,
             skipped_checkpoints: Vec::new(),
+            staged: Default::default(),
             outputs,
             on_step: self.on_step,
             last_metrics: None,

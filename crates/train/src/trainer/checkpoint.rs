@@ -3,8 +3,9 @@
 use crate::data::decode_sample_id;
 use crate::error::{Result, TrainError};
 use crate::model::TrainModel;
-use kiln_ckpt::{Latest, Layout, LoadOptions, Loaded, RankState};
+use kiln_ckpt::{Latest, Layout, LoadOptions, Loaded, RankState, Snapshot};
 use kiln_monitor::{Event, EventKind};
+use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use super::{RollbackRecord, Trainer};
@@ -156,6 +157,12 @@ impl<M: TrainModel> Trainer<M> {
     pub fn capture_state(&mut self) -> Result<RankState> {
         let mut st = RankState::new();
         st.capture("engine", &self.engine)?;
+        self.capture_parts(&mut st)?;
+        Ok(st)
+    }
+
+    /// Every part but the engine's into `st`.
+    fn capture_parts(&self, st: &mut RankState) -> Result<()> {
         st.capture("scaler", &self.scaler)?;
         st.capture("loader", &self.loader)?;
         if let Some(b) = self.breaker.as_ref() {
@@ -169,7 +176,35 @@ impl<M: TrainModel> Trainer<M> {
         }
         st.capture("trainer", &self.progress)?;
         st.capture("rng", &self.rng)?;
-        Ok(st)
+        Ok(())
+    }
+
+    /// Starts an async save of the current step: the engine's state is copied here into
+    /// buffers kept from the last save (once that save has finished), and the writer thread
+    /// gathers it and builds its tensors ([`StagedState`]) before writing; the small parts
+    /// are captured here. The checkpoint is bitwise the one [`Trainer::capture_state`] and a
+    /// synchronous save give.
+    fn save_staged(&mut self, step: u64) -> Result<()> {
+        let Some(c) = self.ckpt.as_mut() else {
+            return Ok(());
+        };
+        // the previous save still reads the staged buffers until it is done
+        c.wait()?;
+        let staged = Arc::clone(&self.staged);
+        self.engine
+            .stage_state(&mut staged.lock().unwrap_or_else(PoisonError::into_inner))?;
+        let mut parts = RankState::new();
+        self.capture_parts(&mut parts)?;
+        let mut snap = Snapshot::from(parts);
+        snap.build_later("engine", move |comm| {
+            let st = staged.lock().unwrap_or_else(PoisonError::into_inner);
+            Ok(st.state(comm)?)
+        })?;
+        let Some(c) = self.ckpt.as_mut() else {
+            return Ok(());
+        };
+        c.save_async_snapshot(&*self.world, step, snap)?;
+        Ok(())
     }
 
     /// Saves a checkpoint of the current step (collective); returns the seconds the training
@@ -177,16 +212,18 @@ impl<M: TrainModel> Trainer<M> {
     pub fn save_checkpoint(&mut self) -> Result<f64> {
         let t = Instant::now();
         let step = self.progress.step;
-        let state = self.capture_state()?;
-        let Some(c) = self.ckpt.as_mut() else {
+        if self.ckpt.is_none() {
             return Err(TrainError::Builder(
                 "no checkpointer: set RunConfig.checkpoint.every_steps or a storage".into(),
             ));
-        };
+        }
         if self.cfg.checkpoint.async_save {
-            c.save_async(&*self.world, step, state)?;
+            self.save_staged(step)?;
         } else {
-            c.save(&*self.world, step, &state)?;
+            let state = self.capture_state()?;
+            if let Some(c) = self.ckpt.as_mut() {
+                c.save(&*self.world, step, &state)?;
+            }
         }
         self.last_ckpt = Some(step);
         self.checkpoints.push(step);

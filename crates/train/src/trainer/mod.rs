@@ -20,10 +20,10 @@ use kiln_monitor::{
     CircuitBreaker, DetectorSet, Event, EventKind, Mfu, MultiSink, StepMetrics, Watchdog,
 };
 use kiln_optim::LrSchedule;
-use kiln_parallel::{DataParallel, ParallelDims};
+use kiln_parallel::{DataParallel, ParallelDims, StagedState};
 use kiln_precision::LossScaler;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// The exit status of a process whose hang watchdog fired in a multi-process run (the MPI
@@ -137,6 +137,9 @@ pub struct Trainer<M: TrainModel = Gpt> {
     drift_alerts: u64,
     val_sources: Vec<TokenSource>,
     ckpt: Option<Checkpointer>,
+    /// The engine's state for async saves, copied on this thread and turned into its
+    /// checkpoint part on the writer's; its buffers are kept from one save to the next.
+    staged: Arc<Mutex<StagedState>>,
     sinks: MultiSink,
     detectors: Option<DetectorSet>,
     breaker: Option<CircuitBreaker>,
