@@ -3,7 +3,8 @@
 # ranks, ZeRO-1, fp16 with loss scaling, activation checkpointing) and bench_train (small_cpu,
 # dp=1, f32), run alternately on the same machine, PAIRS times each. train_gpt's tokens/s is the
 # median of its per-step tokens_per_s from step 5 on (metrics.jsonl), bench_train's the median
-# of its steps 5-25; prints each pair and the median ratio.
+# of its steps 5-25; prints each pair and the median ratio. Odd pairs run bench_train first, even
+# pairs train_gpt first.
 #
 #   bash bench/main_job.sh
 #   PAIRS=5 STEPS=40 bash bench/main_job.sh
@@ -16,9 +17,16 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 ratios=()
 for i in $(seq 1 "$PAIRS"); do
-  b=$(target/release/examples/bench_train --steps "$STEPS" | tail -1)
+  # the order alternates (ABBA), so that what a run leaves behind (the other's checkpoint
+  # writeback, a warm or cold cache) does not always favour the same side
   rm -rf "$out/run"
-  target/release/examples/train_gpt --steps "$STEPS" --output "$out/run" > "$out/log" 2>&1
+  if (( i % 2 == 1 )); then
+    b=$(target/release/examples/bench_train --steps "$STEPS" | tail -1)
+    target/release/examples/train_gpt --steps "$STEPS" --output "$out/run" > "$out/log" 2>&1
+  else
+    target/release/examples/train_gpt --steps "$STEPS" --output "$out/run" > "$out/log" 2>&1
+    b=$(target/release/examples/bench_train --steps "$STEPS" | tail -1)
+  fi
   r=$(python3 - "$b" "$out/run/metrics.jsonl" <<'PY'
 import json, statistics, sys
 bench = json.loads(sys.argv[1])["tokens_per_s"]
