@@ -9,7 +9,9 @@
 //! - [`Checkpointer`]: collective save (synchronous, or [`Checkpointer::save_async`] on a
 //!   background thread; with [`Checkpointer::save_async_snapshot`] the copy of each
 //!   [`Guarded`] component deferred into a [`Snapshot`] runs there too, and the loop's next
-//!   write to it waits until it is copied) of one safetensors file per rank plus a JSON [`Manifest`] with each
+//!   write to it waits until it is copied, and a part added with [`Snapshot::build_later`] is
+//!   built there with the writer's own communicator) of one safetensors file per rank plus a
+//!   JSON [`Manifest`] with each
 //!   file's sha256, committed by an atomic directory rename (a re-saved step's old copy is
 //!   set aside, never deleted, until the new one is committed); [`Checkpointer::load_latest`]
 //!   never returns an uncommitted or damaged checkpoint and reports what it skipped.
