@@ -1,11 +1,12 @@
 //! Activation checkpointing: peak memory and time of one forward + backward of an 8-layer GPT,
-//! with every block recomputed against none.
+//! with every block recomputed and with every block checkpointed selectively (its LayerNorm and
+//! GELU outputs computed again), against none.
 //!
 //! Each policy runs in a fresh child process (so memory freed by one run and kept by the
 //! allocator cannot hide the next run's peak); peak memory is the child's peak resident set
 //! (`VmHWM`) minus its resident set just before the pass (Linux; elsewhere `null`). Times are
 //! medians of the passes after the first. Prints one JSON line per policy and one with the
-//! ratios.
+//! ratios against none.
 //!
 //! Run: `cargo run --release --example bench_checkpointing` (`-- --batch N --layers N`).
 
@@ -32,7 +33,7 @@ fn main() -> anyhow::Result<()> {
         return child(&args, args.get(i + 1).map(String::as_str).unwrap_or("none"));
     }
     let mut lines = Vec::new();
-    for policy in ["none", "every_block"] {
+    for policy in ["none", "every_block", "selective"] {
         let out = std::process::Command::new(std::env::current_exe()?)
             .args(args.iter().skip(1))
             .args(["--child", policy])
@@ -48,13 +49,16 @@ fn main() -> anyhow::Result<()> {
     }
     let t = |v: &serde_json::Value| v["fwd_bwd_s"].as_f64().unwrap_or(f64::NAN);
     let m = |v: &serde_json::Value| v["peak_mib"].as_f64();
+    let ratio = |i: usize| match (m(&lines[0]), m(&lines[i])) {
+        (Some(a), Some(b)) if a > 0.0 => format!("{:.3}", b / a),
+        _ => "null".into(),
+    };
     println!(
-        "{{\"bench\":\"checkpointing_ratio\",\"peak_memory_ratio\":{},\"time_overhead\":{:.3}}}",
-        match (m(&lines[0]), m(&lines[1])) {
-            (Some(a), Some(b)) if a > 0.0 => format!("{:.3}", b / a),
-            _ => "null".into(),
-        },
-        t(&lines[1]) / t(&lines[0]) - 1.0
+        "{{\"bench\":\"checkpointing_ratio\",\"peak_memory_ratio\":{},\"time_overhead\":{:.3},\"selective_peak_memory_ratio\":{},\"selective_time_overhead\":{:.3}}}",
+        ratio(1),
+        t(&lines[1]) / t(&lines[0]) - 1.0,
+        ratio(2),
+        t(&lines[2]) / t(&lines[0]) - 1.0
     );
     Ok(())
 }
@@ -89,10 +93,7 @@ fn child(args: &[String], policy_name: &str) -> anyhow::Result<()> {
         .into_iter()
         .map(SegmentParams::new)
         .collect();
-    let policy = match policy_name {
-        "every_block" => CheckpointPolicy::EveryBlock,
-        _ => CheckpointPolicy::None,
-    };
+    let policy: CheckpointPolicy = policy_name.parse()?;
     let exec = Executor::new(policy);
     let mut times = Vec::new();
     let mut peak = None;

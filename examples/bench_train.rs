@@ -41,8 +41,9 @@
 //!
 //! Flags: `--preset NAME`, `--d-model N`, `--layers N`, `--heads N`, `--ctx N` (context and
 //! sequence length), `--vocab N`, `--batch N` (global sequences per step), `--dtype
-//! f32|bf16|f16`, `--dp N`, `--tp N`, `--zero 0..3`, `--checkpointing none|every_block|every_<k>`,
-//! `--steps N` (default 25; the median is over steps 5 to N), `--lr X`, `--bare-candle` (no
+//! f32|bf16|f16`, `--dp N`, `--tp N`, `--zero 0..3`, `--checkpointing
+//! none|every_block|every_<k>|selective|selective_<k>`, `--steps N` (default 25; the median
+//! is over steps 5 to N), `--lr X`, `--bare-candle` (no
 //! value; f32, dp 1, tp 1, ZeRO 0 and no checkpointing only), `--sequence-parallel` (no value;
 //! Megatron's sequence parallelism when `--tp` is above 1).
 

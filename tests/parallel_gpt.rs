@@ -95,7 +95,7 @@ fn equivalence_suite_on_thread_ranks() {
     for line in &outs[0] {
         println!("{line}");
     }
-    assert_eq!(outs[0].len(), 9, "{:?}", outs[0]);
+    assert_eq!(outs[0].len(), 10, "{:?}", outs[0]);
 }
 
 /// Sequence parallelism (Megatron-LM): the LayerNorms, residual adds and row-parallel biases

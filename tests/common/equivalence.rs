@@ -7,6 +7,8 @@
 //! - ZeRO stages 1, 2 and 3 at dp = 2 against plain data parallel at dp = 2: bitwise;
 //! - dp = 2 x tp = 2 with ZeRO-1 and fp16 loss scaling, with and without sequence parallelism,
 //!   against one rank: the loss after 30 steps within 1%;
+//! - at that layout with sequence parallelism, selective and full activation recomputation
+//!   against none: parameters after 3 steps and the losses bitwise;
 //! - DPO of LoRA adapters (kiln-tune) at dp = 2 x tp = 2 with ZeRO-1 against one rank: the
 //!   adapters after 4 steps and every loss within 1e-5;
 //! - int8 quantization-aware training at dp = 2 x tp = 2 against one rank: with fake-quantized
@@ -18,6 +20,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use kiln_comm::{Communicator, ThreadComm, ThreadCommConfig};
+use kiln_memory::CheckpointPolicy as Policy;
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage};
 use kiln_precision::{DynamicLossScaler, NoScaler};
@@ -385,6 +388,34 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         })? {
             done.push(msg);
         }
+    }
+    // selective and full recomputation against none at the main job's layout, bitwise: the
+    // sequence-parallel all-gathers a selective block dropped run again in the backward
+    if let Some(msg) = on_first(&*world, 4, |sub| {
+        let with = |checkpoint| DataParallelConfig { checkpoint, ..dpc };
+        let (plain, lp) = train_rank(sub.clone(), &tiny, 2, 2, with(Policy::None), true, true, 3)?;
+        for policy in [Policy::Selective(1), Policy::EveryBlock] {
+            let (p, l) = train_rank(sub.clone(), &tiny, 2, 2, with(policy), true, true, 3)?;
+            anyhow::ensure!(
+                l == lp,
+                "{policy}: losses {l:?} vs {lp:?} without checkpointing"
+            );
+            for ((n, a), (_, b)) in p.iter().zip(&plain) {
+                let same =
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                anyhow::ensure!(
+                    same,
+                    "{policy}: {n} is not bitwise the run without checkpointing"
+                );
+            }
+        }
+        Ok(
+            "dp=2 x tp=2 sequence-parallel ZeRO-1 fp16: selective and full recomputation \
+            equal none bitwise"
+                .to_string(),
+        )
+    })? {
+        done.push(msg);
     }
     // DPO of LoRA adapters at dp x tp against one rank
     let lora_ref = {

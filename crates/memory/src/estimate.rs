@@ -21,7 +21,10 @@
 //! blocks a [`CheckpointPolicy`] leaves alone keep all of theirs. Under sequence parallelism
 //! ([`MemoryPlan::sequence_parallel`], with t > 1) the replicated part is split as well:
 //! 4·s·b·h / t per layer, a recomputed block's input s·b·h / t, and the embedding output
-//! s·b·h / t (Korthikanti et al.'s 34·s·b·h / t).
+//! s·b·h / t (Korthikanti et al.'s 34·s·b·h / t). A block checkpointed selectively
+//! ([`CheckpointPolicy::Selective`]) keeps its LayerNorm inputs (2·s·b·h / rep), QKV, the
+//! attention output and the MLP's first product (8·s·b·h / t): the LayerNorm outputs, the GELU
+//! output and the attention scores are computed again (kiln's fused attention keeps no scores).
 
 use crate::error::{MemoryError, Result};
 use crate::segment::CheckpointPolicy;
@@ -300,6 +303,14 @@ impl MemoryPlan {
         // embedding output, logits and their gradient (vocab-parallel)
         let ends = c * sq * b * h / rep + 2 * c * sq * b * s.vocab / t;
         let recomputed = self.checkpointing.recomputed_blocks(s.n_layers);
+        let selective = self.checkpointing.selective_blocks(s.n_layers);
+        if selective > 0 {
+            // a selective block keeps its LayerNorm inputs, QKV, the attention output and the
+            // MLP's first product; the LayerNorm outputs and the GELU output are computed
+            // again, and kiln's fused attention keeps no scores
+            let kept = c * (s.ctx * b * h * 2 / rep + s.ctx * b * h * 8 / t);
+            return selective * kept + (s.n_layers - selective) * per_layer + ends;
+        }
         if recomputed == 0 {
             return s.n_layers * per_layer + ends;
         }
@@ -410,6 +421,15 @@ mod tests {
         let ends = without - 96 * per_layer;
         assert_eq!(quarter, 24 * layer_input + 73 * per_layer + ends);
         assert!(with < quarter && quarter < without);
+        // selective in every block: 2 of the 4 replicated s·b·h and 8 of the 12 split ones
+        // (t = 1 here), no scores
+        p.checkpointing = CheckpointPolicy::Selective(1);
+        let selective = p.activation_bytes();
+        assert_eq!(selective, 96 * 10 * layer_input + ends);
+        assert!(with < selective && selective < without);
+        p.checkpointing = CheckpointPolicy::Selective(4);
+        let one_in_four = p.activation_bytes();
+        assert_eq!(one_in_four, 24 * 10 * layer_input + 72 * per_layer + ends);
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //!   exist (data parallel overlaps its all-reduce with the backward of the segments below), a
 //!   [`ParamProvider`] supplies each segment's parameters per call (ZeRO-3 gathers and frees
 //!   them), and a [`CheckpointPolicy`] drops chosen segments' activations after forward and
-//!   recomputes them before backward. Gradients equal a whole-model `backward()`.
+//!   recomputes them before backward, whole or selectively (only the cheap ops' outputs,
+//!   computed again where the backward needs them, [`tape::Thinned`]). Gradients equal a
+//!   whole-model `backward()`.
 //! - [`MemoryPlan::estimate`] gives bytes per rank for weights, gradients, optimizer states
 //!   (the ZeRO paper's formulas), activations and communication buffers.
 //! - [`DynamicBatch`] picks the largest micro-batch that fits a budget and adapts to

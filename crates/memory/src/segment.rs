@@ -195,8 +195,8 @@ impl ParamProvider for StaticParams {
 }
 
 /// Which segments drop their activations after forward and recompute them before backward.
-/// Written (serde, [`std::fmt::Display`], [`std::str::FromStr`]) as `none`, `every_block` or
-/// `every_<k>`.
+/// Written (serde, [`std::fmt::Display`], [`std::str::FromStr`]) as `none`, `every_block`,
+/// `every_<k>`, `selective` or `selective_<k>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum CheckpointPolicy {
@@ -207,6 +207,13 @@ pub enum CheckpointPolicy {
     EveryBlock,
     /// Recompute every k-th block (blocks 0, k, 2k, ... counted from the first block).
     EveryKth(usize),
+    /// Selective recomputation in every k-th block (`Selective(1)`: every block): the block
+    /// keeps the outputs of its products and attention and drops those of its cheap ops (the
+    /// LayerNorms, the GELU, the sequence-parallel all-gathers: the ops its forward ran under
+    /// [`tape::recomputable`]), which its backward computes again where it needs them
+    /// (see [`tape::Thinned`]). Where the segment's tape does not cover it (a GPU, an op
+    /// that is not kiln's), the block is recomputed whole instead.
+    Selective(usize),
 }
 
 impl std::fmt::Display for CheckpointPolicy {
@@ -215,6 +222,8 @@ impl std::fmt::Display for CheckpointPolicy {
             CheckpointPolicy::None => f.write_str("none"),
             CheckpointPolicy::EveryBlock => f.write_str("every_block"),
             CheckpointPolicy::EveryKth(k) => write!(f, "every_{k}"),
+            CheckpointPolicy::Selective(1) => f.write_str("selective"),
+            CheckpointPolicy::Selective(k) => write!(f, "selective_{k}"),
         }
     }
 }
@@ -223,21 +232,35 @@ impl std::str::FromStr for CheckpointPolicy {
     type Err = MemoryError;
 
     /// `none` (also `off`, `false`), `every_block` (also `all`, `on`, `true`, `every_1`) or
-    /// `every_<k>` with k at least 1; case and surrounding spaces do not matter.
+    /// `every_<k>` with k at least 1, `selective` (also `selective_1`) or `selective_<k>`; case
+    /// and surrounding spaces do not matter.
     fn from_str(s: &str) -> std::result::Result<Self, MemoryError> {
         let t = s.trim().to_ascii_lowercase();
         let bad = || MemoryError::Config {
             field: "activation checkpointing",
-            message: format!("expected none, every_block or every_<k> with k >= 1, got {s:?}"),
+            message: format!(
+                "expected none, every_block, every_<k>, selective or selective_<k> with k >= 1, \
+                 got {s:?}"
+            ),
         };
         match t.as_str() {
             "none" | "off" | "false" | "" => Ok(CheckpointPolicy::None),
             "every_block" | "all" | "true" | "on" => Ok(CheckpointPolicy::EveryBlock),
-            other => match other.strip_prefix("every_").and_then(|k| k.parse().ok()) {
-                Some(0) | None => Err(bad()),
-                Some(1) => Ok(CheckpointPolicy::EveryBlock),
-                Some(k) => Ok(CheckpointPolicy::EveryKth(k)),
-            },
+            "selective" => Ok(CheckpointPolicy::Selective(1)),
+            other => {
+                let k = |prefix: &str| {
+                    other
+                        .strip_prefix(prefix)
+                        .and_then(|k| k.parse::<usize>().ok())
+                        .filter(|&k| k > 0)
+                };
+                match (k("every_"), k("selective_")) {
+                    (Some(1), _) => Ok(CheckpointPolicy::EveryBlock),
+                    (Some(k), _) => Ok(CheckpointPolicy::EveryKth(k)),
+                    (_, Some(k)) => Ok(CheckpointPolicy::Selective(k)),
+                    _ => Err(bad()),
+                }
+            }
         }
     }
 }
@@ -257,19 +280,34 @@ impl From<CheckpointPolicy> for String {
 }
 
 impl CheckpointPolicy {
-    /// True when segment `i` of `n` is recomputed. The first (embedding) and last (head, loss)
-    /// segments are never checkpointed: the first has no differentiable input and the last is
-    /// needed right away.
+    /// True when segment `i` of `n` is recomputed whole. The first (embedding) and last (head,
+    /// loss) segments are never checkpointed: the first has no differentiable input and the
+    /// last is needed right away.
     pub fn recomputes(self, i: usize, n: usize) -> bool {
         if i == 0 || i + 1 >= n {
             return false;
         }
         let block = i - 1;
         match self {
-            CheckpointPolicy::None => false,
+            CheckpointPolicy::None | CheckpointPolicy::Selective(_) => false,
             CheckpointPolicy::EveryBlock => true,
             CheckpointPolicy::EveryKth(k) => k > 0 && block % k == 0,
         }
+    }
+
+    /// True when segment `i` of `n` drops the outputs of its cheap ops and computes them
+    /// again in its backward ([`CheckpointPolicy::Selective`]).
+    pub fn selects(self, i: usize, n: usize) -> bool {
+        match self {
+            CheckpointPolicy::Selective(k) if i > 0 && i + 1 < n => k > 0 && (i - 1) % k == 0,
+            _ => false,
+        }
+    }
+
+    /// How many of `n_blocks` transformer blocks are checkpointed selectively.
+    pub fn selective_blocks(self, n_blocks: u64) -> u64 {
+        let n = n_blocks as usize;
+        (1..=n).filter(|&i| self.selects(i, n + 2)).count() as u64
     }
 
     /// How many of `n_blocks` transformer blocks recompute their activations (the blocks
@@ -302,6 +340,8 @@ struct Saved {
     params: Option<SegmentParams>,
     /// The kiln ops the kept graph ran, for the backward (see [`crate::tape`]).
     tape: Option<Tape>,
+    /// A selectively checkpointed segment's values (see [`CheckpointPolicy::Selective`]).
+    thinned: Option<tape::Thinned>,
 }
 
 /// A segment's gradients: from its tape, or from candle's backward.
@@ -398,7 +438,26 @@ impl Executor {
                 tape::record(|| model.forward_segment(i, &seg_input, targets, &params));
             let out = out?;
             x = out.detach();
-            if self.policy.recomputes(i, n) {
+            // a selective segment keeps its table of values (without the graph); where its
+            // tape does not cover it, it is recomputed whole
+            let (tape, thinned) = if self.policy.selects(i, n) {
+                match out.device().is_cpu().then(|| tape.thin(&out)) {
+                    Some(Ok(thinned)) => (None, Some(thinned)),
+                    _ => (None, None),
+                }
+            } else {
+                (Some(tape), None)
+            };
+            if let Some(thinned) = thinned {
+                drop(out);
+                saved.push(Saved {
+                    input: seg_input,
+                    output: None,
+                    params: Some(params),
+                    tape: None,
+                    thinned: Some(thinned),
+                });
+            } else if self.policy.recomputes(i, n) || tape.is_none() {
                 drop((out, tape));
                 provider
                     .release(i, params)
@@ -408,13 +467,15 @@ impl Executor {
                     output: None,
                     params: None,
                     tape: None,
+                    thinned: None,
                 });
             } else {
                 saved.push(Saved {
                     input: seg_input,
                     output: Some(out),
                     params: Some(params),
-                    tape: Some(tape),
+                    tape,
+                    thinned: None,
                 });
             }
         }
@@ -432,8 +493,28 @@ impl Executor {
 
         let mut recomputed = 0;
         let mut grad_out: Option<Tensor> = None;
-        while let Some(s) = saved.pop() {
+        while let Some(mut s) = saved.pop() {
             let i = saved.len();
+            if let Some(thinned) = s.thinned.take() {
+                let (Some(params), Some(out)) = (s.params, thinned.output()) else {
+                    return Err(MemoryError::Segment {
+                        segment: i,
+                        message: "the selective segment's output or parameters were not kept"
+                            .into(),
+                    });
+                };
+                let root = match grad_out.take() {
+                    Some(g) => g,
+                    None => Tensor::full(loss_scale as f32, out.shape(), out.device())?
+                        .to_dtype(out.dtype())?,
+                };
+                let grads = Grads::Tape(thinned.backward(root)?);
+                grad_out = self.pass_down(i, grads, &s.input, &params, hook)?;
+                provider
+                    .release(i, params)
+                    .map_err(|source| hook_err("parameter provider", i, source))?;
+                continue;
+            }
             let (out, params, tape) = match (s.output, s.params, s.tape) {
                 (Some(out), Some(params), tape) => (out, params, tape),
                 _ => {
@@ -466,21 +547,7 @@ impl Executor {
                 (None, Some(g)) => Grads::Candle(seeded(&out, g)?.backward()?),
             };
             drop(out);
-            if i > 0 {
-                let g = match grads.get(&s.input) {
-                    Some(g) => g.clone(),
-                    None => s.input.zeros_like()?,
-                };
-                grad_out = Some(g);
-            }
-            let param_grads: Vec<(String, Tensor)> = params
-                .vars()
-                .iter()
-                .filter_map(|(name, v)| grads.get(v.as_tensor()).map(|g| (name.clone(), g.clone())))
-                .collect();
-            drop(grads);
-            hook.segment_grads(i, param_grads)
-                .map_err(|source| hook_err("gradient hook", i, source))?;
+            grad_out = self.pass_down(i, grads, &s.input, &params, hook)?;
             provider
                 .release(i, params)
                 .map_err(|source| hook_err("parameter provider", i, source))?;
@@ -490,6 +557,37 @@ impl Executor {
             recomputed,
             forward_s,
         })
+    }
+}
+
+impl Executor {
+    /// After segment `i`'s backward: its parameters' gradients to the hook, and the gradient
+    /// of its input (for the segment below; none for the first).
+    fn pass_down(
+        &self,
+        i: usize,
+        grads: Grads,
+        input: &Tensor,
+        params: &SegmentParams,
+        hook: &mut dyn GradHook,
+    ) -> Result<Option<Tensor>> {
+        let below = if i > 0 {
+            Some(match grads.get(input) {
+                Some(g) => g.clone(),
+                None => input.zeros_like()?,
+            })
+        } else {
+            None
+        };
+        let param_grads: Vec<(String, Tensor)> = params
+            .vars()
+            .iter()
+            .filter_map(|(name, v)| grads.get(v.as_tensor()).map(|g| (name.clone(), g.clone())))
+            .collect();
+        drop(grads);
+        hook.segment_grads(i, param_grads)
+            .map_err(|source| hook_err("gradient hook", i, source))?;
+        Ok(below)
     }
 }
 

@@ -48,49 +48,78 @@
 //! ```
 
 use candle_core::{CustomOp1, CustomOp2, CustomOp3, Tensor, TensorId};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+
+mod thin;
+pub use thin::Thinned;
 
 type Op1 = Arc<Box<dyn CustomOp1 + Send + Sync>>;
 type Op2 = Arc<Box<dyn CustomOp2 + Send + Sync>>;
 type Op3 = Arc<Box<dyn CustomOp3 + Send + Sync>>;
 
-/// A recorded op: its inputs, its output and how to get the inputs' gradients.
-enum Entry {
-    One(Op1, [Tensor; 1], Tensor),
-    Two(Op2, [Tensor; 2], Tensor),
-    Three(Op3, [Tensor; 3], Tensor),
+/// A recorded op's kind, with which its forward runs again and its backward runs.
+#[derive(Clone)]
+enum Op {
+    One(Op1),
+    Two(Op2),
+    Three(Op3),
 }
 
-impl Entry {
-    fn inputs(&self) -> &[Tensor] {
-        match self {
-            Entry::One(_, a, _) => a,
-            Entry::Two(_, a, _) => a,
-            Entry::Three(_, a, _) => a,
-        }
-    }
-
-    fn output(&self) -> &Tensor {
-        match self {
-            Entry::One(.., o) | Entry::Two(.., o) | Entry::Three(.., o) => o,
+impl Op {
+    /// The op's forward of `inputs` (a recomputation: with inputs that track nothing, candle
+    /// builds no graph).
+    fn forward(&self, inputs: &[Tensor]) -> candle_core::Result<Tensor> {
+        match (self, inputs) {
+            (Op::One(op), [a]) => a.apply_op1_arc(op.clone()),
+            (Op::Two(op), [a, b]) => a.apply_op2_arc(b, op.clone()),
+            (Op::Three(op), [a, b, c]) => a.apply_op3_arc(b, c, op.clone()),
+            _ => Err(arity(inputs.len())),
         }
     }
 
     /// The inputs' gradients given the output's, from the op's own backward.
-    fn backward(&self, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
-        Ok(match self {
-            Entry::One(op, [a], o) => vec![op.bwd(a, o, grad)?],
-            Entry::Two(op, [a, b], o) => {
-                let (ga, gb) = op.bwd(a, b, o, grad)?;
+    fn backward(
+        &self,
+        inputs: &[Tensor],
+        out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Vec<Option<Tensor>>> {
+        Ok(match (self, inputs) {
+            (Op::One(op), [a]) => vec![op.bwd(a, out, grad)?],
+            (Op::Two(op), [a, b]) => {
+                let (ga, gb) = op.bwd(a, b, out, grad)?;
                 vec![ga, gb]
             }
-            Entry::Three(op, [a, b, c], o) => {
-                let (ga, gb, gc) = op.bwd(a, b, c, o, grad)?;
+            (Op::Three(op), [a, b, c]) => {
+                let (ga, gb, gc) = op.bwd(a, b, c, out, grad)?;
                 vec![ga, gb, gc]
             }
+            _ => return Err(arity(inputs.len())),
         })
+    }
+}
+
+fn arity(got: usize) -> candle_core::Error {
+    candle_core::Error::msg(format!(
+        "tape: an op run with {got} inputs, not its own count"
+    ))
+}
+
+/// A recorded op: its inputs, its output, how to get the inputs' gradients, and whether its
+/// output may be dropped and computed again ([`recomputable`]).
+struct Entry {
+    op: Op,
+    inputs: Vec<Tensor>,
+    output: Tensor,
+    cheap: bool,
+}
+
+impl Entry {
+    /// The inputs' gradients given the output's, from the op's own backward.
+    fn backward(&self, grad: &Tensor) -> candle_core::Result<Vec<Option<Tensor>>> {
+        self.op.backward(&self.inputs, &self.output, grad)
     }
 }
 
@@ -110,6 +139,26 @@ impl std::fmt::Debug for Tape {
 
 thread_local! {
     static RECORDING: RefCell<Option<Tape>> = const { RefCell::new(None) };
+    /// How many [`recomputable`] calls are under way on this thread.
+    static RECOMPUTABLE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Runs `f` with the ops it records marked as cheap to run again: in a segment checkpointed
+/// selectively ([`crate::CheckpointPolicy::Selective`]) their outputs are dropped after the
+/// forward and computed again from their inputs where the backward needs them (see
+/// [`Tape::thin`]). For ops whose forward is deterministic and cheap against the memory its
+/// output holds: a LayerNorm, a GELU, a sequence-parallel all-gather. Outside a recording this
+/// only runs `f`.
+pub fn recomputable<R>(f: impl FnOnce() -> R) -> R {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            RECOMPUTABLE.with(|c| c.set(c.get().saturating_sub(1)));
+        }
+    }
+    RECOMPUTABLE.with(|c| c.set(c.get() + 1));
+    let _leave = Leave;
+    f()
 }
 
 /// Runs `f` with a fresh tape recording this thread's [`apply_op1`], [`apply_op2`] and
@@ -135,12 +184,22 @@ pub fn record<R>(f: impl FnOnce() -> R) -> (R, Tape) {
     (out, tape)
 }
 
-fn push(entry: impl FnOnce() -> Entry) {
+fn push(op: Op, inputs: &[&Tensor], output: &Tensor) {
     RECORDING.with(|r| {
         if let Some(tape) = r.borrow_mut().as_mut() {
-            tape.entries.push(entry());
+            tape.entries.push(Entry {
+                op,
+                inputs: inputs.iter().map(|&t| t.clone()).collect(),
+                output: output.clone(),
+                cheap: RECOMPUTABLE.with(|c| c.get() > 0),
+            });
         }
     });
+}
+
+/// Whether a recording is under way on this thread.
+fn recording() -> bool {
+    RECORDING.with(|r| r.borrow().is_some())
 }
 
 /// `a.apply_op1(op)`, recorded where a [`record`] is under way on this thread.
@@ -150,7 +209,9 @@ pub fn apply_op1(
 ) -> candle_core::Result<Tensor> {
     let op: Op1 = Arc::new(Box::new(op));
     let out = a.apply_op1_arc(op.clone())?;
-    push(|| Entry::One(op, [a.clone()], out.clone()));
+    if recording() {
+        push(Op::One(op), &[a], &out);
+    }
     Ok(out)
 }
 
@@ -162,7 +223,9 @@ pub fn apply_op2(
 ) -> candle_core::Result<Tensor> {
     let op: Op2 = Arc::new(Box::new(op));
     let out = a.apply_op2_arc(b, op.clone())?;
-    push(|| Entry::Two(op, [a.clone(), b.clone()], out.clone()));
+    if recording() {
+        push(Op::Two(op), &[a, b], &out);
+    }
     Ok(out)
 }
 
@@ -175,13 +238,32 @@ pub fn apply_op3(
 ) -> candle_core::Result<Tensor> {
     let op: Op3 = Arc::new(Box::new(op));
     let out = a.apply_op3_arc(b, c, op.clone())?;
-    push(|| Entry::Three(op, [a.clone(), b.clone(), c.clone()], out.clone()));
+    if recording() {
+        push(Op::Three(op), &[a, b, c], &out);
+    }
     Ok(out)
 }
 
 /// Whether `t` takes part in the backward: a variable, or the result of a tracked op.
 fn tracked(t: &Tensor) -> bool {
     t.is_variable() || t.track_op()
+}
+
+/// The gradient map of a backward walk, holding `grad` for `output` (the same shape, or an
+/// error naming `walk` and both shapes).
+fn seed_grads(
+    walk: &str,
+    output: &Tensor,
+    grad: Tensor,
+) -> candle_core::Result<HashMap<TensorId, Tensor>> {
+    if grad.shape() != output.shape() {
+        return Err(candle_core::Error::msg(format!(
+            "{walk}: the output gradient is {:?}, the output {:?}",
+            grad.dims(),
+            output.dims()
+        )));
+    }
+    Ok(HashMap::from([(output.id(), grad)]))
 }
 
 /// Gradients from [`Tape::backward`], by tensor.
@@ -215,13 +297,13 @@ impl Tape {
         let mut produced = HashSet::new();
         for e in &self.entries {
             let inputs_known = e
-                .inputs()
+                .inputs
                 .iter()
                 .all(|t| !tracked(t) || t.is_variable() || produced.contains(&t.id()));
             if !inputs_known {
                 return false;
             }
-            produced.insert(e.output().id());
+            produced.insert(e.output.id());
         }
         produced.contains(&output.id())
     }
@@ -240,22 +322,14 @@ impl Tape {
         if !self.covers(output) {
             return Ok(None);
         }
-        if grad.shape() != output.shape() {
-            return Err(candle_core::Error::msg(format!(
-                "tape backward: the output gradient is {:?}, the output {:?}",
-                grad.dims(),
-                output.dims()
-            )));
-        }
-        let mut grads: HashMap<TensorId, Tensor> = HashMap::new();
-        grads.insert(output.id(), grad);
+        let mut grads = seed_grads("tape backward", output, grad)?;
         while let Some(e) = self.entries.pop() {
             // every use of the output came later in the forward, so its gradient is whole
-            let Some(g) = grads.remove(&e.output().id()) else {
+            let Some(g) = grads.remove(&e.output.id()) else {
                 continue;
             };
             let input_grads = e.backward(&g.detach())?;
-            for (input, ig) in e.inputs().iter().zip(input_grads) {
+            for (input, ig) in e.inputs.iter().zip(input_grads) {
                 let Some(ig) = ig else {
                     continue;
                 };

@@ -42,20 +42,30 @@ fn model(dtype: DType) -> Gpt {
     Gpt::new(&config(), &GptOptions::seeded(7).with_compute_dtype(dtype)).unwrap()
 }
 
+/// The model's parameters, segment by segment.
+fn segment_params(m: &Gpt) -> Vec<SegmentParams> {
+    m.segment_param_lists()
+        .into_iter()
+        .map(SegmentParams::new)
+        .collect()
+}
+
+/// The model's segment parameters, the first block's input (a fresh leaf) and the targets of
+/// a fixed batch.
+fn first_block_input(m: &Gpt) -> (Vec<SegmentParams>, Var, Tensor) {
+    let (x, y) = batch(2, 16, 64);
+    let params = segment_params(m);
+    let h = m.forward_segment(0, &x, &y, &params[0]).unwrap().detach();
+    (params, Var::from_tensor(&h).unwrap(), y)
+}
+
 /// The tape of a block covers it, and its backward gives candle's gradients bit for bit: the
 /// block input's and every parameter's.
 #[test]
 fn a_block_tape_gives_candles_gradients() {
     for dtype in [DType::F32, DType::BF16] {
         let m = model(dtype);
-        let (x, y) = batch(2, 16, 64);
-        let params: Vec<SegmentParams> = m
-            .segment_param_lists()
-            .into_iter()
-            .map(SegmentParams::new)
-            .collect();
-        let h = m.forward_segment(0, &x, &y, &params[0]).unwrap().detach();
-        let input = Var::from_tensor(&h).unwrap();
+        let (params, input, y) = first_block_input(&m);
         let (out, tape) = tape::record(|| m.forward_segment(1, input.as_tensor(), &y, &params[1]));
         let out = out.unwrap();
         assert!(tape.covers(&out), "{dtype:?}: the block's tape covers it");
@@ -83,11 +93,7 @@ fn a_block_tape_gives_candles_gradients() {
 fn the_head_is_taped_and_a_loss_scale_scales_exactly() {
     let m = model(DType::F32);
     let (x, y) = batch(2, 16, 64);
-    let params: Vec<SegmentParams> = m
-        .segment_param_lists()
-        .into_iter()
-        .map(SegmentParams::new)
-        .collect();
+    let params = segment_params(&m);
     let last = m.num_segments() - 1;
     let h =
         Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 16, 32), &Device::Cpu).unwrap()).unwrap();
@@ -128,7 +134,8 @@ fn a_tape_with_a_candle_op_in_the_way_declines() {
 
 /// The executor, whose block segments now run their tapes, against the whole model's
 /// `backward()`: the same gradients bit for bit, with no checkpointing, with every block
-/// recomputed, and with one in two.
+/// recomputed, with one in two, and with selective recomputation in every block and in one
+/// in two.
 #[test]
 fn executor_gradients_with_tapes_equal_whole_model_backward() {
     for dtype in [DType::F32, DType::BF16] {
@@ -140,6 +147,8 @@ fn executor_gradients_with_tapes_equal_whole_model_backward() {
             CheckpointPolicy::None,
             CheckpointPolicy::EveryBlock,
             CheckpointPolicy::EveryKth(2),
+            CheckpointPolicy::Selective(1),
+            CheckpointPolicy::Selective(2),
         ] {
             let lists = m.segment_param_lists();
             let mut provider =
@@ -170,4 +179,65 @@ fn executor_gradients_with_tapes_equal_whole_model_backward() {
             }
         }
     }
+}
+
+/// A block's tape thinned for selective checkpointing drops the outputs of its two LayerNorms
+/// and its GELU, holds the rest without candle's graph, and its backward (which computes the
+/// dropped values again) gives the full tape's gradients bit for bit.
+#[test]
+fn a_thinned_block_tape_drops_its_cheap_outputs_and_gives_the_same_gradients() {
+    for dtype in [DType::F32, DType::BF16] {
+        let m = model(dtype);
+        let (params, input, y) = first_block_input(&m);
+        let run = || {
+            let (out, tape) =
+                tape::record(|| m.forward_segment(1, input.as_tensor(), &y, &params[1]));
+            (out.unwrap(), tape)
+        };
+        let (out, tape) = run();
+        let seed = out.ones_like().unwrap().affine(0.5, 0.25).unwrap();
+        let want = tape.backward(&out, seed.clone()).unwrap().unwrap();
+        let (out, tape) = run();
+        let ops = tape.len();
+        let thinned = tape.thin(&out).unwrap();
+        assert_eq!(thinned.dropped(), 3, "{dtype:?}: ln_1, ln_2 and the GELU");
+        assert!(thinned.held() > ops / 2, "{dtype:?}: {thinned:?}");
+        assert_bitwise_eq(&flat(thinned.output().unwrap()), &flat(&out));
+        drop(out);
+        let got = thinned.backward(seed).unwrap();
+        let names = params[1]
+            .vars()
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()));
+        for (name, t) in names.chain([("input".to_string(), input.as_tensor().clone())]) {
+            let (g, w) = (got.get(&t), want.get(&t));
+            let (g, w) = (g.expect(&name), w.expect(&name));
+            assert_bitwise_eq(&flat(g), &flat(w));
+        }
+    }
+}
+
+/// The policy's names: `selective` and `selective_<k>`, read and written back.
+#[test]
+fn selective_policies_read_and_write_their_names() {
+    for (text, want) in [
+        ("selective", CheckpointPolicy::Selective(1)),
+        ("Selective_1", CheckpointPolicy::Selective(1)),
+        (" selective_4", CheckpointPolicy::Selective(4)),
+    ] {
+        let got: CheckpointPolicy = text.parse().unwrap();
+        assert_eq!(got, want, "{text}");
+        assert_eq!(got.to_string().parse::<CheckpointPolicy>().unwrap(), got);
+    }
+    let e = "selective_0"
+        .parse::<CheckpointPolicy>()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("selective_0"), "{e}");
+    // blocks 0 and 2 of 4 (segments 1 and 3 of 6), never the embedding or the head
+    let p = CheckpointPolicy::Selective(2);
+    let picked: Vec<usize> = (0..6).filter(|&i| p.selects(i, 6)).collect();
+    assert_eq!(picked, vec![1, 3]);
+    assert_eq!(p.selective_blocks(4), 2);
+    assert_eq!(p.recomputed_blocks(4), 0);
 }

@@ -32,7 +32,11 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
             got: x.dtype(),
         });
     }
-    Ok(kiln_memory::tape::apply_op1(&x.contiguous()?, Gelu)?)
+    let x = x.contiguous()?;
+    // cheap to run again against the activation it keeps: a selective checkpoint drops it
+    Ok(kiln_memory::tape::recomputable(|| {
+        kiln_memory::tape::apply_op1(&x, Gelu)
+    })?)
 }
 
 struct Gelu;
@@ -211,11 +215,11 @@ pub fn bias_gelu(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
             },
         });
     }
-    Ok(kiln_memory::tape::apply_op2(
-        &x.contiguous()?,
-        &bias.contiguous()?,
-        BiasGelu,
-    )?)
+    let (x, bias) = (x.contiguous()?, bias.contiguous()?);
+    // cheap to run again against the activation it keeps: a selective checkpoint drops it
+    Ok(kiln_memory::tape::recomputable(|| {
+        kiln_memory::tape::apply_op2(&x, &bias, BiasGelu)
+    })?)
 }
 
 struct BiasGelu;

@@ -91,12 +91,11 @@ fn layer_norm_shaped(
             expected: "finite and >= 0",
         });
     }
-    Ok(kiln_memory::tape::apply_op3(
-        &x.contiguous()?,
-        &weight.contiguous()?,
-        &bias.contiguous()?,
-        LayerNormOp { eps, rows },
-    )?)
+    let (x, weight, bias) = (x.contiguous()?, weight.contiguous()?, bias.contiguous()?);
+    // cheap to run again against the activation it keeps: a selective checkpoint drops it
+    Ok(kiln_memory::tape::recomputable(|| {
+        kiln_memory::tape::apply_op3(&x, &weight, &bias, LayerNormOp { eps, rows })
+    })?)
 }
 
 /// The forward op: `(x, weight, bias) -> y`, `y` shaped as `x` or as rows `[n, d]`.

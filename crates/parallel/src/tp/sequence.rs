@@ -113,7 +113,7 @@ fn scattered<T: Copy>(
 }
 
 /// Which collective a [`SeqOp`] runs forward; its backward runs the conjugate.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum SeqKind {
     /// All-gather forward, reduce-scatter backward.
     Gather,
@@ -190,13 +190,18 @@ impl CustomOp1 for SeqOp {
 }
 
 fn apply(x: &Tensor, comm: &TpComm, kind: SeqKind) -> Result<Tensor> {
-    Ok(kiln_memory::tape::apply_op1(
-        &x.contiguous()?,
-        SeqOp {
-            comm: comm.clone(),
-            kind,
-        },
-    )?)
+    let x = x.contiguous()?;
+    let op = SeqOp {
+        comm: comm.clone(),
+        kind,
+    };
+    Ok(if kind == SeqKind::Gather {
+        // the whole rows, cheap to gather again against the activation they are: a selective
+        // checkpoint drops them (every rank of the group gathers again at the same record)
+        kiln_memory::tape::recomputable(|| kiln_memory::tape::apply_op1(&x, op))?
+    } else {
+        kiln_memory::tape::apply_op1(&x, op)?
+    })
 }
 
 /// Every rank's rows `[.., s / tp, d]` concatenated into the whole `[.., s, d]` (rank `k`'s

@@ -102,13 +102,14 @@ impl RunConfig {
     /// A named starting point (see [`RUN_PRESETS`]):
     /// - `tiny`: the `tiny` model, one rank, f32, 50 steps; for tests and quick checks.
     /// - `train_gpt`: the GPT-3 architecture scaled down (`small_cpu`), dp=2 x tp=2 with
-    ///   sequence parallelism, ZeRO-1, f16 with dynamic loss scaling, activation
+    ///   sequence parallelism, ZeRO-1, f16 with dynamic loss scaling, selective activation
     ///   checkpointing of one block in four, warmup and cosine decay, clipping, checkpoints,
     ///   spike detection with rollback, JSONL, TensorBoard and PNG; the corpus through the
     ///   perplexity filter, its three corpora mixed equally for 100 steps and then 3:1:1, the
     ///   drift monitor watching.
     /// - `train_gpt_zero3`: `train_gpt` on dp=4 with ZeRO-3, the micro-batch chosen by the
-    ///   memory estimate under a budget of 1 GiB per rank.
+    ///   memory estimate under a budget of 1 GiB per rank, one block in four recomputed whole
+    ///   (ZeRO-3 gathers its parameters again for the recomputation).
     /// - `train_gpt_tp`: `train_gpt` on tp=4.
     pub fn preset(name: &str) -> Result<Self> {
         let key = name.trim().to_ascii_lowercase().replace('-', "_");
@@ -138,10 +139,11 @@ impl RunConfig {
                 micro_batch: 8 / dp,
                 accumulation: 1,
                 seq_len: 128,
-                // one block in four (`every_4`): the recompute path runs every step at a
-                // quarter of the cost of recomputing every block (a block's forward is about
-                // 6% of the step here); set `every_block` where activation memory is short
-                activation_checkpointing: CheckpointPolicy::EveryKth(4),
+                // one block in four selectively (`selective_4`): its LayerNorm, GELU and
+                // all-gather outputs are dropped and computed again in the backward, which
+                // costs a fraction of recomputing the block (its forward is about 6% of the
+                // step here); `every_block` where activation memory is short
+                activation_checkpointing: CheckpointPolicy::Selective(4),
                 ..TrainSection::default()
             },
             optim: OptimSection {
@@ -200,6 +202,7 @@ impl RunConfig {
                 let mut c = gpt(4, 1, 3, "train_gpt_zero3");
                 // the micro-batch chosen by kiln-memory's estimate under 1 GiB per rank
                 c.train.dynamic_batch = Some(DynamicBatchSection { budget_mib: 1024.0 });
+                c.train.activation_checkpointing = CheckpointPolicy::EveryKth(4);
                 c
             }
             "train_gpt_tp" => gpt(1, 4, 0, "train_gpt_tp"),
