@@ -249,10 +249,11 @@ fn tracked(t: &Tensor) -> bool {
     t.is_variable() || t.track_op()
 }
 
-/// The gradient map of a backward walk, holding `grad` for `output` (the same shape, or an
-/// error naming `walk` and both shapes).
+/// The gradient map of a backward walk, holding `grad` under `id` for `output` (the same
+/// shape, or an error naming `walk` and both shapes).
 fn seed_grads(
     walk: &str,
+    id: TensorId,
     output: &Tensor,
     grad: Tensor,
 ) -> candle_core::Result<HashMap<TensorId, Tensor>> {
@@ -263,7 +264,23 @@ fn seed_grads(
             output.dims()
         )));
     }
-    Ok(HashMap::from([(output.id(), grad)]))
+    Ok(HashMap::from([(id, grad)]))
+}
+
+/// Adds `ig` to the gradient held under `id`, or holds it as it is where it is the first
+/// contribution (the order candle's backward adds them in).
+fn add_grad(
+    grads: &mut HashMap<TensorId, Tensor>,
+    id: TensorId,
+    ig: Tensor,
+) -> candle_core::Result<()> {
+    let ig = ig.detach();
+    let sum = match grads.remove(&id) {
+        Some(sum) => sum.add(&ig)?.detach(),
+        None => ig,
+    };
+    grads.insert(id, sum);
+    Ok(())
 }
 
 /// Gradients from [`Tape::backward`], by tensor.
@@ -322,7 +339,7 @@ impl Tape {
         if !self.covers(output) {
             return Ok(None);
         }
-        let mut grads = seed_grads("tape backward", output, grad)?;
+        let mut grads = seed_grads("tape backward", output.id(), output, grad)?;
         while let Some(e) = self.entries.pop() {
             // every use of the output came later in the forward, so its gradient is whole
             let Some(g) = grads.remove(&e.output.id()) else {
@@ -336,15 +353,7 @@ impl Tape {
                 if !tracked(input) {
                     continue;
                 }
-                let ig = ig.detach();
-                match grads.remove(&input.id()) {
-                    Some(sum) => {
-                        grads.insert(input.id(), sum.add(&ig)?.detach());
-                    }
-                    None => {
-                        grads.insert(input.id(), ig);
-                    }
-                }
+                add_grad(&mut grads, input.id(), ig)?;
             }
         }
         Ok(Some(TapeGrads { grads }))

@@ -11,7 +11,7 @@
 //! which gives bitwise the value the forward had. A value is released once the last record
 //! that uses it has run its backward.
 
-use super::{seed_grads, tracked, Op, Tape, TapeGrads};
+use super::{add_grad, seed_grads, tracked, Op, Tape, TapeGrads};
 use candle_core::{Tensor, TensorId};
 use std::collections::HashMap;
 
@@ -138,11 +138,9 @@ impl Thinned {
                 "thinned tape: the output was dropped",
             ));
         };
-        // the output is held as the forward gave it (no graph), under the forward's id
-        let mut grads = seed_grads("thinned tape backward", out, grad)?;
-        if let Some(g) = grads.remove(&out.id()) {
-            grads.insert(self.values[self.output].id, g);
-        }
+        // the output is held without its graph; gradients go by the forward's ids
+        let id = self.values[self.output].id;
+        let mut grads = seed_grads("thinned tape backward", id, out, grad)?;
         while let Some(last) = self.recs.last() {
             let out_id = self.values[last.output].id;
             let g = grads.remove(&out_id);
@@ -168,16 +166,7 @@ impl Thinned {
                     if !self.values[v].tracked {
                         continue;
                     }
-                    let id = self.values[v].id;
-                    let ig = ig.detach();
-                    match grads.remove(&id) {
-                        Some(sum) => {
-                            grads.insert(id, sum.add(&ig)?.detach());
-                        }
-                        None => {
-                            grads.insert(id, ig);
-                        }
-                    }
+                    add_grad(&mut grads, self.values[v].id, ig)?;
                 }
             }
             for &v in rec.inputs.iter().chain([&rec.output]) {
