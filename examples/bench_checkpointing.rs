@@ -17,7 +17,9 @@ mod alloc;
 static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
 
 use candle_core::{Device, Tensor};
-use kiln_memory::{CheckpointPolicy, CollectGrads, Executor, SegmentParams, StaticParams};
+use kiln_memory::{
+    CheckpointPolicy, CollectGrads, Executor, MicroBatch, SegmentParams, StaticParams,
+};
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use std::time::Instant;
 
@@ -95,6 +97,7 @@ fn child(args: &[String], policy_name: &str) -> anyhow::Result<()> {
         .collect();
     let policy: CheckpointPolicy = policy_name.parse()?;
     let exec = Executor::new(policy);
+    let micro = MicroBatch::new(x, y)?;
     let mut times = Vec::new();
     let mut peak = None;
     let mut loss = 0.0f32;
@@ -103,7 +106,7 @@ fn child(args: &[String], policy_name: &str) -> anyhow::Result<()> {
         let mut grads = CollectGrads::default();
         let base = status_kib("VmRSS:");
         let t = Instant::now();
-        let out = exec.run(&model, &x, &y, &mut provider, &mut grads, 1.0)?;
+        let out = exec.run(&model, &micro, &mut provider, &mut grads, 1.0)?;
         times.push(t.elapsed().as_secs_f64());
         loss = out.loss.to_scalar::<f32>()?;
         if rep == 0 {

@@ -155,7 +155,12 @@ fn main() -> anyhow::Result<()> {
                     let all = Tensor::from_vec(ids, (per, seq + 1), &Device::Cpu)?;
                     let (x, y) = (all.narrow(1, 0, seq)?, all.narrow(1, 1, seq)?);
                     let t = Instant::now();
-                    let r = engine.step(&model, &[(x, y)], 1e-3, &mut NoScaler)?;
+                    let r = engine.step(
+                        &model,
+                        &[kiln_memory::MicroBatch::new(x, y)?],
+                        1e-3,
+                        &mut NoScaler,
+                    )?;
                     if s > 0 {
                         times.push(t.elapsed().as_secs_f64());
                         waits.push(r.comm_wait_s);

@@ -152,8 +152,7 @@ fn rank(world: Arc<dyn Communicator>, a: &Args) -> Result<Report> {
         let idx = loader.next_indices()?;
         let refs: Vec<&PreferencePair> = idx.iter().map(|&i| &train[i]).collect();
         let b = preference_batch(&refs, CTX, &Device::Cpu)?;
-        let y = RewardModel::targets(&b)?;
-        engine.step(&rm, &[(b.inputs, y)], 1e-3, &mut NoScaler)?;
+        engine.step(&rm, &[RewardModel::micro_batch(&b)?], 1e-3, &mut NoScaler)?;
         rm.take_stats();
     }
     if dpc.stage == Stage::Zero3 {
@@ -218,8 +217,8 @@ fn rank(world: Arc<dyn Communicator>, a: &Args) -> Result<Report> {
         let refs: Vec<&PreferencePair> = idx.iter().map(|&i| &train[i]).collect();
         let b = preference_batch(&refs, CTX, &Device::Cpu)?;
         let ref_lp = model_log_probs(&reference, &b.inputs, &b.targets)?;
-        let y = DpoObjective::targets(&b, &ref_lp)?;
-        let r = engine.step(&dpo, &[(b.inputs, y)], a.lr, &mut NoScaler)?;
+        let mb = DpoObjective::micro_batch(&b, &ref_lp)?;
+        let r = engine.step(&dpo, &[mb], a.lr, &mut NoScaler)?;
         step.0 += 1;
         let stats = dpo.take_stats().all_reduce(&*dp)?;
         let mut m = StepMetrics::new(step.0);

@@ -175,7 +175,14 @@ fn finetune(
         let b = loader.next_batch()?;
         let x = Tensor::from_slice(&b.inputs, (rows, CTX), &Device::Cpu)?;
         let y = Tensor::from_slice(&b.targets, (rows, CTX), &Device::Cpu)?;
-        let loss = engine.step(model, &[(x, y)], a.lr, &mut NoScaler)?.loss;
+        let loss = engine
+            .step(
+                model,
+                &[kiln_memory::MicroBatch::new(x, y)?],
+                a.lr,
+                &mut NoScaler,
+            )?
+            .loss;
         if let Some(q) = qat {
             // every rank quantizes the next step's inputs with the same, global range
             q.update_observers(Some(&**world))?;

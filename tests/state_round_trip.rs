@@ -169,10 +169,11 @@ fn the_data_parallel_engine_continues_bitwise_through_a_checkpoint() {
         let tok = |i: usize| (((step * 7919 + rank * 131 + i) * 2654435761usize) >> 9) % 512;
         let x: Vec<u32> = (0..2 * 16).map(|i| tok(i) as u32).collect();
         let y: Vec<u32> = (0..2 * 16).map(|i| tok(i + 1) as u32).collect();
-        (
+        kiln_memory::MicroBatch::new(
             Tensor::from_vec(x, (2, 16), &Device::Cpu).unwrap(),
             Tensor::from_vec(y, (2, 16), &Device::Cpu).unwrap(),
         )
+        .unwrap()
     };
     for (stage, zero) in [(Stage::Replicated, 0u8), (Stage::Zero3, 3)] {
         let dir =

@@ -20,7 +20,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use kiln_comm::{Communicator, ThreadComm, ThreadCommConfig};
-use kiln_memory::CheckpointPolicy as Policy;
+use kiln_memory::{CheckpointPolicy as Policy, MicroBatch};
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage};
 use kiln_precision::{DynamicLossScaler, NoScaler};
@@ -90,7 +90,7 @@ pub fn train_rank(
         let (x, y) = tokens(global_batch, 16, cfg.vocab_size, s % 2);
         let xb = x.narrow(0, dp_rank * per, per)?;
         let yb = y.narrow(0, dp_rank * per, per)?;
-        let r = engine.step(&model, &[(xb, yb)], 3e-3, &mut *scaler)?;
+        let r = engine.step(&model, &[MicroBatch::new(xb, yb)?], 3e-3, &mut *scaler)?;
         losses.push(r.loss);
     }
     Ok((engine.full_params()?, losses))
@@ -154,12 +154,8 @@ pub fn train_lora_dpo_rank(
             .collect();
         let b = preference_batch(&mine, 8, &Device::Cpu)?;
         let r = model_log_probs(&reference, &b.inputs, &b.targets)?;
-        let y = DpoObjective::targets(&b, &r)?;
-        losses.push(
-            engine
-                .step(&dpo, &[(b.inputs, y)], 1e-2, &mut NoScaler)?
-                .loss,
-        );
+        let mb = DpoObjective::micro_batch(&b, &r)?;
+        losses.push(engine.step(&dpo, &[mb], 1e-2, &mut NoScaler)?.loss);
     }
     let params = lora
         .parameters()
@@ -207,7 +203,11 @@ pub fn train_qat_rank(
         let (x, y) = tokens(4, 16, cfg.vocab_size, s % 2);
         let xb = x.narrow(0, dp_rank * per, per)?;
         let yb = y.narrow(0, dp_rank * per, per)?;
-        losses.push(engine.step(&model, &[(xb, yb)], 3e-3, &mut NoScaler)?.loss);
+        losses.push(
+            engine
+                .step(&model, &[MicroBatch::new(xb, yb)?], 3e-3, &mut NoScaler)?
+                .loss,
+        );
         qat.update_observers(Some(&*world))?;
     }
     let ranges = qat.ranges().into_iter().map(|(_, r)| r).collect();

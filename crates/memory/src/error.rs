@@ -33,6 +33,16 @@ pub enum MemoryError {
         /// Why.
         message: String,
     },
+    /// A micro-batch tensor is missing or does not fit the others.
+    #[error("micro-batch tensor `{tensor}`: expected {expected}, got {got}")]
+    Batch {
+        /// The tensor's name (`inputs`, `targets`, `loss_mask` or a per-example name).
+        tensor: String,
+        /// What was expected.
+        expected: String,
+        /// What was found.
+        got: String,
+    },
     /// No micro-batch size fits the memory budget.
     #[error("no micro-batch fits {budget} bytes: batch 1 needs {needed} bytes")]
     DoesNotFit {

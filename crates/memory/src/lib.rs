@@ -30,12 +30,14 @@
 //! ```
 #![deny(missing_docs)]
 
+mod batch;
 mod dynamic_batch;
 mod error;
 mod estimate;
 mod segment;
 pub mod tape;
 
+pub use batch::MicroBatch;
 pub use dynamic_batch::DynamicBatch;
 pub use error::{BoxError, MemoryError, Result};
 pub use estimate::{MemPrecision, MemoryEstimate, MemoryPlan, ModelShape, ShardingStage};

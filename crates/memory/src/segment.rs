@@ -15,6 +15,7 @@
 //! make up a segment (a transformer block), its backward runs from the tape, each op's own
 //! backward with no zero-filled buffer and addition per graph input; elsewhere candle's.
 
+use crate::batch::MicroBatch;
 use crate::error::{BoxError, MemoryError, Result};
 use crate::tape::{self, Tape, TapeGrads};
 use candle_core::{Tensor, Var};
@@ -80,13 +81,14 @@ pub trait SegmentedModel {
     /// Number of segments (at least 1).
     fn num_segments(&self) -> usize;
 
-    /// Runs segment `i` on `input` with `params` (from the [`ParamProvider`]); `targets` is
-    /// passed to every segment and used by the last one.
+    /// Runs segment `i` on `input` with `params` (from the [`ParamProvider`]); the whole
+    /// micro-batch `batch` is passed to every segment (segment 0's `input` is its inputs) and
+    /// the last one reads what its loss needs (targets, loss mask, named tensors).
     fn forward_segment(
         &self,
         i: usize,
         input: &Tensor,
-        targets: &Tensor,
+        batch: &MicroBatch,
         params: &SegmentParams,
     ) -> candle_core::Result<Tensor>;
 }
@@ -363,13 +365,16 @@ impl Grads {
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
-/// use kiln_memory::{CheckpointPolicy, CollectGrads, Executor, SegmentParams, SegmentedModel, StaticParams};
+/// use kiln_memory::{
+///     CheckpointPolicy, CollectGrads, Executor, MicroBatch, SegmentParams, SegmentedModel,
+///     StaticParams,
+/// };
 ///
 /// // loss = sum((x * w0) * w1)
 /// struct Chain;
 /// impl SegmentedModel for Chain {
 ///     fn num_segments(&self) -> usize { 2 }
-///     fn forward_segment(&self, i: usize, x: &Tensor, _t: &Tensor, p: &SegmentParams) -> candle_core::Result<Tensor> {
+///     fn forward_segment(&self, i: usize, x: &Tensor, _b: &MicroBatch, p: &SegmentParams) -> candle_core::Result<Tensor> {
 ///         let y = x.broadcast_mul(p.tensor(&format!("w{i}"))?)?;
 ///         if i == 1 { y.sum_all() } else { Ok(y) }
 ///     }
@@ -383,7 +388,8 @@ impl Grads {
 /// ]);
 /// let x = Tensor::new(&[1.0f32, 1.0], &dev)?;
 /// let mut grads = CollectGrads::default();
-/// let out = Executor::new(CheckpointPolicy::None).run(&Chain, &x, &x, &mut params, &mut grads, 1.0)?;
+/// let batch = MicroBatch::new(x.clone(), x)?;
+/// let out = Executor::new(CheckpointPolicy::None).run(&Chain, &batch, &mut params, &mut grads, 1.0)?;
 /// assert_eq!(out.loss.to_scalar::<f32>()?, 2.0 * 5.0 + 3.0 * 7.0);
 /// assert_eq!(grads.get("w0").ok_or("no gradient")?.to_vec1::<f32>()?, vec![5.0, 7.0]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -409,8 +415,7 @@ impl Executor {
     pub fn run<M: SegmentedModel + ?Sized>(
         &self,
         model: &M,
-        input: &Tensor,
-        targets: &Tensor,
+        batch: &MicroBatch,
         provider: &mut dyn ParamProvider,
         hook: &mut dyn GradHook,
         loss_scale: f64,
@@ -424,7 +429,7 @@ impl Executor {
         }
         let t_forward = std::time::Instant::now();
         let mut saved: Vec<Saved> = Vec::with_capacity(n);
-        let mut x = input.clone();
+        let mut x = batch.inputs().clone();
         for i in 0..n {
             let params = provider
                 .acquire(i, Phase::Forward)
@@ -434,8 +439,7 @@ impl Executor {
             } else {
                 Var::from_tensor(&x.detach())?.as_tensor().clone()
             };
-            let (out, tape) =
-                tape::record(|| model.forward_segment(i, &seg_input, targets, &params));
+            let (out, tape) = tape::record(|| model.forward_segment(i, &seg_input, batch, &params));
             let out = out?;
             x = out.detach();
             // a selective segment keeps its table of values (without the graph); where its
@@ -523,7 +527,7 @@ impl Executor {
                         .map_err(|source| hook_err("parameter provider", i, source))?;
                     recomputed += 1;
                     let (out, tape) =
-                        tape::record(|| model.forward_segment(i, &s.input, targets, &params));
+                        tape::record(|| model.forward_segment(i, &s.input, batch, &params));
                     (out?, params, Some(tape))
                 }
             };

@@ -4,8 +4,8 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use kiln_memory::{
-    CheckpointPolicy, CollectGrads, Executor, GradHook, ParamProvider, Phase, SegmentParams,
-    SegmentedModel, StaticParams,
+    CheckpointPolicy, CollectGrads, Executor, GradHook, MicroBatch, ParamProvider, Phase,
+    SegmentParams, SegmentedModel, StaticParams,
 };
 
 const VOCAB: usize = 11;
@@ -71,7 +71,7 @@ impl SegmentedModel for Toy {
         &self,
         i: usize,
         x: &Tensor,
-        targets: &Tensor,
+        batch: &MicroBatch,
         p: &SegmentParams,
     ) -> candle_core::Result<Tensor> {
         if i == 0 {
@@ -96,7 +96,7 @@ impl SegmentedModel for Toy {
             let shifted = logits.broadcast_sub(&max)?;
             let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
             let logp = shifted.broadcast_sub(&lse)?;
-            let picked = logp.gather(&targets.flatten_all()?.unsqueeze(1)?, 1)?;
+            let picked = logp.gather(&batch.targets().flatten_all()?.unsqueeze(1)?, 1)?;
             return picked.mean_all()?.neg();
         }
         let blk = i - 1;
@@ -123,9 +123,10 @@ fn batch() -> (Tensor, Tensor) {
 /// The reference: one forward through all segments and one `backward()`.
 fn whole_model(m: &Toy) -> (f32, Vec<(String, Vec<f32>)>) {
     let (x, y) = batch();
+    let b = MicroBatch::new(x.clone(), y).unwrap();
     let mut h = x;
     for i in 0..m.num_segments() {
-        h = m.forward_segment(i, &h, &y, &m.params[i]).unwrap();
+        h = m.forward_segment(i, &h, &b, &m.params[i]).unwrap();
     }
     let grads = h.backward().unwrap();
     let g = m
@@ -145,7 +146,13 @@ fn segmented(m: &Toy, policy: CheckpointPolicy) -> (f32, Vec<(String, Vec<f32>)>
     let mut provider = StaticParams::new(m.params.clone());
     let mut hook = CollectGrads::default();
     let out = Executor::new(policy)
-        .run(m, &x, &y, &mut provider, &mut hook, 1.0)
+        .run(
+            m,
+            &MicroBatch::new(x, y).unwrap(),
+            &mut provider,
+            &mut hook,
+            1.0,
+        )
         .unwrap();
     let g = m
         .all_vars()
@@ -211,7 +218,13 @@ fn loss_scale_scales_gradients_exactly() {
     let mut provider = StaticParams::new(m.params.clone());
     let mut hook = CollectGrads::default();
     Executor::new(CheckpointPolicy::EveryBlock)
-        .run(&m, &x, &y, &mut provider, &mut hook, 1024.0)
+        .run(
+            &m,
+            &MicroBatch::new(x, y).unwrap(),
+            &mut provider,
+            &mut hook,
+            1024.0,
+        )
         .unwrap();
     for (n, v) in g_ref {
         let scaled = flat(hook.get(&n).unwrap());
@@ -267,7 +280,13 @@ fn hooks_run_between_segments_in_order() {
     };
     let mut hook_log = Vec::new();
     Executor::new(CheckpointPolicy::EveryKth(2))
-        .run(&m, &x, &y, &mut trace, &mut HookTrace(&mut hook_log), 1.0)
+        .run(
+            &m,
+            &MicroBatch::new(x, y).unwrap(),
+            &mut trace,
+            &mut HookTrace(&mut hook_log),
+            1.0,
+        )
         .unwrap();
     let log = trace.log.join(", ");
     // blocks 0 and 2 (segments 1 and 3) are checkpointed: released after forward, re-acquired
@@ -302,7 +321,7 @@ fn a_non_scalar_loss_is_an_error() {
             &self,
             _: usize,
             x: &Tensor,
-            _: &Tensor,
+            _: &MicroBatch,
             _: &SegmentParams,
         ) -> candle_core::Result<Tensor> {
             x.to_dtype(DType::F32)
@@ -312,8 +331,7 @@ fn a_non_scalar_loss_is_an_error() {
     let err = Executor::default()
         .run(
             &Bad,
-            &x,
-            &x,
+            &MicroBatch::new(x.clone(), x).unwrap(),
             &mut StaticParams::new(vec![SegmentParams::default()]),
             &mut CollectGrads::default(),
             1.0,

@@ -703,6 +703,17 @@ impl Gpt {
         targets: &Tensor,
         p: &dyn ParamSource,
     ) -> Result<Tensor> {
+        self.head_loss_ignoring(x, targets, self.opts.ignore_index, p)
+    }
+
+    /// [`Gpt::head_loss_with`], leaving out the targets equal to `ignore`.
+    fn head_loss_ignoring(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        ignore: Option<u32>,
+        p: &dyn ParamSource,
+    ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let split = self.sequence_parallel_group();
         let t = t * split.map_or(1, |c| c.world_size());
@@ -720,40 +731,22 @@ impl Gpt {
             // this rank's normalised rows, gathered inside the fused head and loss
             let (h, w) = self.head_operands(x, p)?;
             return Ok(self.in_precision(|| {
-                tpops::sequence_parallel_linear_cross_entropy(
-                    &h,
-                    &w,
-                    &targets,
-                    self.opts.ignore_index,
-                    c,
-                )
+                tpops::sequence_parallel_linear_cross_entropy(&h, &w, &targets, ignore, c)
             })?);
         }
         match &self.tp {
             // on the CPU the head and the loss as one graph node, as below with one rank
             None if x.device().is_cpu() => {
                 let (h, w) = self.head_operands(x, p)?;
-                Ok(self.in_precision(|| {
-                    tpops::linear_cross_entropy(&h, &w, &targets, self.opts.ignore_index)
-                })?)
+                Ok(self.in_precision(|| tpops::linear_cross_entropy(&h, &w, &targets, ignore))?)
             }
-            None => ops::cross_entropy(
-                &self.head_rows_local(x, p)?,
-                &targets,
-                self.opts.ignore_index,
-            ),
+            None => ops::cross_entropy(&self.head_rows_local(x, p)?, &targets, ignore),
             // the head and the loss as one graph node (bitwise the two): the logits get no
             // zero-filled gradient buffer to be added into
             Some(c) => {
                 let (h, w) = self.head_operands(x, p)?;
                 Ok(self.in_precision(|| {
-                    tpops::vocab_parallel_linear_cross_entropy(
-                        &h,
-                        &w,
-                        &targets,
-                        self.opts.ignore_index,
-                        c,
-                    )
+                    tpops::vocab_parallel_linear_cross_entropy(&h, &w, &targets, ignore, c)
                 })?)
             }
         }
@@ -796,11 +789,13 @@ impl kiln_memory::SegmentedModel for Gpt {
         self.blocks.len() + 2
     }
 
+    /// The last segment's loss is over the micro-batch's targets, leaving out those equal to
+    /// [`GptOptions::ignore_index`] and, with a loss mask, the masked positions.
     fn forward_segment(
         &self,
         i: usize,
         input: &Tensor,
-        targets: &Tensor,
+        batch: &kiln_memory::MicroBatch,
         params: &kiln_memory::SegmentParams,
     ) -> candle_core::Result<Tensor> {
         let n = self.blocks.len();
@@ -808,8 +803,16 @@ impl kiln_memory::SegmentedModel for Gpt {
             self.embed_with(input, params)
         } else if i <= n {
             self.block_with(i - 1, input, params)
+        } else if batch.loss_mask().is_some() {
+            // masked positions become ignored targets: the model's own ignore id, or one no
+            // token id reaches
+            let ignore = self.opts.ignore_index.unwrap_or(u32::MAX);
+            let targets = batch
+                .masked_targets(ignore)
+                .map_err(candle_core::Error::wrap)?;
+            self.head_loss_ignoring(input, &targets, Some(ignore), params)
         } else {
-            self.head_loss_with(input, targets, params)
+            self.head_loss_with(input, batch.targets(), params)
         };
         out.map_err(candle_core::Error::wrap)
     }

@@ -6,7 +6,8 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use kiln_memory::{
-    tape, CheckpointPolicy, CollectGrads, Executor, SegmentParams, SegmentedModel, StaticParams,
+    tape, CheckpointPolicy, CollectGrads, Executor, MicroBatch, SegmentParams, SegmentedModel,
+    StaticParams,
 };
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_testkit::{assert_bitwise_eq, assert_close};
@@ -52,11 +53,12 @@ fn segment_params(m: &Gpt) -> Vec<SegmentParams> {
 
 /// The model's segment parameters, the first block's input (a fresh leaf) and the targets of
 /// a fixed batch.
-fn first_block_input(m: &Gpt) -> (Vec<SegmentParams>, Var, Tensor) {
+fn first_block_input(m: &Gpt) -> (Vec<SegmentParams>, Var, MicroBatch) {
     let (x, y) = batch(2, 16, 64);
     let params = segment_params(m);
-    let h = m.forward_segment(0, &x, &y, &params[0]).unwrap().detach();
-    (params, Var::from_tensor(&h).unwrap(), y)
+    let mb = MicroBatch::new(x.clone(), y).unwrap();
+    let h = m.forward_segment(0, &x, &mb, &params[0]).unwrap().detach();
+    (params, Var::from_tensor(&h).unwrap(), mb)
 }
 
 /// The tape of a block covers it, and its backward gives candle's gradients bit for bit: the
@@ -65,8 +67,8 @@ fn first_block_input(m: &Gpt) -> (Vec<SegmentParams>, Var, Tensor) {
 fn a_block_tape_gives_candles_gradients() {
     for dtype in [DType::F32, DType::BF16] {
         let m = model(dtype);
-        let (params, input, y) = first_block_input(&m);
-        let (out, tape) = tape::record(|| m.forward_segment(1, input.as_tensor(), &y, &params[1]));
+        let (params, input, mb) = first_block_input(&m);
+        let (out, tape) = tape::record(|| m.forward_segment(1, input.as_tensor(), &mb, &params[1]));
         let out = out.unwrap();
         assert!(tape.covers(&out), "{dtype:?}: the block's tape covers it");
         assert!(tape.len() >= 8, "{dtype:?}: {} ops recorded", tape.len());
@@ -93,18 +95,19 @@ fn a_block_tape_gives_candles_gradients() {
 fn the_head_is_taped_and_a_loss_scale_scales_exactly() {
     let m = model(DType::F32);
     let (x, y) = batch(2, 16, 64);
+    let mb = MicroBatch::new(x.clone(), y.clone()).unwrap();
     let params = segment_params(&m);
     let last = m.num_segments() - 1;
     let h =
         Var::from_tensor(&Tensor::randn(0f32, 1.0, (2, 16, 32), &Device::Cpu).unwrap()).unwrap();
-    let (loss, tape) = tape::record(|| m.forward_segment(last, h.as_tensor(), &y, &params[last]));
+    let (loss, tape) = tape::record(|| m.forward_segment(last, h.as_tensor(), &mb, &params[last]));
     assert!(tape.covers(&loss.unwrap()), "the head's tape covers it");
     let run = |scale: f64| {
         let lists = m.segment_param_lists();
         let mut provider = StaticParams::new(lists.into_iter().map(SegmentParams::new).collect());
         let mut hook = CollectGrads::default();
         Executor::new(CheckpointPolicy::None)
-            .run(&m, &x, &y, &mut provider, &mut hook, scale)
+            .run(&m, &mb, &mut provider, &mut hook, scale)
             .unwrap();
         hook
     };
@@ -141,6 +144,7 @@ fn executor_gradients_with_tapes_equal_whole_model_backward() {
     for dtype in [DType::F32, DType::BF16] {
         let m = model(dtype);
         let (x, y) = batch(2, 16, 64);
+        let mb = MicroBatch::new(x.clone(), y.clone()).unwrap();
         let loss = m.loss(&x, &y).unwrap();
         let want = loss.backward().unwrap();
         for policy in [
@@ -155,7 +159,7 @@ fn executor_gradients_with_tapes_equal_whole_model_backward() {
                 StaticParams::new(lists.into_iter().map(SegmentParams::new).collect());
             let mut hook = CollectGrads::default();
             let out = Executor::new(policy)
-                .run(&m, &x, &y, &mut provider, &mut hook, 1.0)
+                .run(&m, &mb, &mut provider, &mut hook, 1.0)
                 .unwrap();
             assert_eq!(
                 flat(&out.loss)[0].to_bits(),
@@ -188,10 +192,10 @@ fn executor_gradients_with_tapes_equal_whole_model_backward() {
 fn a_thinned_block_tape_drops_its_cheap_outputs_and_gives_the_same_gradients() {
     for dtype in [DType::F32, DType::BF16] {
         let m = model(dtype);
-        let (params, input, y) = first_block_input(&m);
+        let (params, input, mb) = first_block_input(&m);
         let run = || {
             let (out, tape) =
-                tape::record(|| m.forward_segment(1, input.as_tensor(), &y, &params[1]));
+                tape::record(|| m.forward_segment(1, input.as_tensor(), &mb, &params[1]));
             (out.unwrap(), tape)
         };
         let (out, tape) = run();

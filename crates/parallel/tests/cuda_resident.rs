@@ -11,7 +11,7 @@
 mod gpu {
     use candle_core::{Device, Tensor, Var};
     use kiln_comm::ThreadComm;
-    use kiln_memory::{SegmentParams, SegmentedModel};
+    use kiln_memory::{MicroBatch, SegmentParams, SegmentedModel};
     use kiln_parallel::{DataParallel, DataParallelConfig, StepReport};
     use kiln_precision::{DynamicLossScaler, DynamicScalerConfig, LossScaler};
     use kiln_state::Stateful;
@@ -51,7 +51,7 @@ mod gpu {
             &self,
             i: usize,
             x: &Tensor,
-            targets: &Tensor,
+            batch: &MicroBatch,
             p: &SegmentParams,
         ) -> candle_core::Result<Tensor> {
             let dev = x.device();
@@ -63,7 +63,7 @@ mod gpu {
             let c1 = self.c1.to_device(dev)?;
             let w = (p.tensor("w1")? * &c1)?.sum_all()?;
             let b = (p.tensor("b1")? * &c1)?.sum_all()?;
-            x.sum_all()? + ((w + b)? * targets.sum_all()?)?
+            x.sum_all()? + ((w + b)? * batch.targets().sum_all()?)?
         }
     }
 
@@ -81,11 +81,11 @@ mod gpu {
     }
 
     /// The inputs of step `s`, two micro-batches; step 3 overflows.
-    fn micro(s: usize, k: usize, dev: &Device) -> (Tensor, Tensor) {
+    fn micro(s: usize, k: usize, dev: &Device) -> MicroBatch {
         let p = [0.5f32, 1.0, 2.0, 0.25, 4.0][(s + k) % 5];
         let x0 = if s == 3 && k == 1 { f32::INFINITY } else { p };
         let x = Tensor::new(&[x0, 0.0], dev).unwrap();
-        (x.clone(), x)
+        MicroBatch::new(x.clone(), x).unwrap()
     }
 
     fn config() -> DataParallelConfig {

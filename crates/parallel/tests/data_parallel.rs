@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use kiln_comm::{Communicator, ThreadComm};
 
-use kiln_memory::{CheckpointPolicy, SegmentParams, SegmentedModel};
+use kiln_memory::{CheckpointPolicy, MicroBatch, SegmentParams, SegmentedModel};
 use kiln_optim::{AdamW, AdamWConfig, Optimizer};
 use kiln_parallel::{DataParallel, DataParallelConfig, Stage};
 use kiln_precision::{DynamicLossScaler, LossScaler, NoScaler, ScaleEvent};
@@ -69,7 +69,7 @@ impl SegmentedModel for Toy {
         &self,
         i: usize,
         x: &Tensor,
-        targets: &Tensor,
+        batch: &MicroBatch,
         p: &SegmentParams,
     ) -> candle_core::Result<Tensor> {
         if i == 0 {
@@ -90,7 +90,7 @@ impl SegmentedModel for Toy {
             let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
             let logp = shifted.broadcast_sub(&lse)?;
             return logp
-                .gather(&targets.flatten_all()?.unsqueeze(1)?, 1)?
+                .gather(&batch.targets().flatten_all()?.unsqueeze(1)?, 1)?
                 .mean_all()?
                 .neg();
         }
@@ -106,7 +106,7 @@ impl SegmentedModel for Toy {
 }
 
 /// Batch for `step`: rows `lo..hi` of a fixed pseudo-random global batch.
-fn batch(step: usize, lo: usize, hi: usize) -> (Tensor, Tensor) {
+fn batch(step: usize, lo: usize, hi: usize) -> MicroBatch {
     let tok = |r: usize, c: usize, k: usize| {
         (((step * 131 + r * 17 + c * 7 + k * 3) * 2654435761usize) >> 7) % VOCAB
     };
@@ -116,10 +116,11 @@ fn batch(step: usize, lo: usize, hi: usize) -> (Tensor, Tensor) {
     let y: Vec<u32> = (lo..hi)
         .flat_map(|r| (0..SEQ).map(move |c| tok(r, c, 1) as u32))
         .collect();
-    (
+    MicroBatch::new(
         Tensor::from_vec(x, (hi - lo, SEQ), &Device::Cpu).unwrap(),
         Tensor::from_vec(y, (hi - lo, SEQ), &Device::Cpu).unwrap(),
     )
+    .unwrap()
 }
 
 struct RunOut {
@@ -149,7 +150,7 @@ fn train_with(
         for s in 0..STEPS {
             let lo = comm.rank() * per;
             let mb = per / accum;
-            let micro: Vec<(Tensor, Tensor)> = (0..accum)
+            let micro: Vec<MicroBatch> = (0..accum)
                 .map(|k| batch(s, lo + k * mb, lo + (k + 1) * mb))
                 .collect();
             let r = engine.step(&Toy, &micro, LR, &mut scaler)?;
@@ -198,11 +199,11 @@ fn plain_single_rank_with(build: impl Fn(&str, usize) -> Box<dyn Optimizer>) -> 
         .map(|(n, v)| build(n, v.elem_count()))
         .collect();
     for s in 0..STEPS {
-        let (x, y) = batch(s, 0, BATCH);
-        let mut h = x;
+        let b = batch(s, 0, BATCH);
+        let mut h = b.inputs().clone();
         for (i, sp) in segs.iter().enumerate() {
             h = Toy
-                .forward_segment(i, &h, &y, &SegmentParams::new(sp.clone()))
+                .forward_segment(i, &h, &b, &SegmentParams::new(sp.clone()))
                 .unwrap();
         }
         let grads = h.backward().unwrap();
@@ -395,11 +396,11 @@ impl SegmentedModel for Poisoned {
         &self,
         i: usize,
         x: &Tensor,
-        targets: &Tensor,
+        batch: &MicroBatch,
         p: &SegmentParams,
     ) -> candle_core::Result<Tensor> {
         if i != 1 || !self.poison {
-            return Toy.forward_segment(i, x, targets, p);
+            return Toy.forward_segment(i, x, batch, p);
         }
         let b1 = p.tensor("h0.b1")?;
         let mut m = vec![0.0f32; 2 * D_MODEL];
@@ -431,13 +432,13 @@ fn an_overflow_on_one_rank_makes_every_rank_skip() {
             let mut engine = DataParallel::new(&segs, &comm, cfg(stage))?;
             let before = engine.full_params()?;
             let mut scaler = DynamicLossScaler::new(Default::default())?;
-            let (x, y) = batch(0, comm.rank() * 4, comm.rank() * 4 + 4);
+            let mb = batch(0, comm.rank() * 4, comm.rank() * 4 + 4);
             let model = Poisoned {
                 poison: comm.rank() == 1,
             };
-            let r = engine.step(&model, &[(x.clone(), y.clone())], LR, &mut scaler)?;
+            let r = engine.step(&model, std::slice::from_ref(&mb), LR, &mut scaler)?;
             let after = engine.full_params()?;
-            let r2 = engine.step(&Toy, &[(x, y)], LR, &mut scaler)?;
+            let r2 = engine.step(&Toy, &[mb], LR, &mut scaler)?;
             Ok((
                 r.scale_event,
                 before == after,
@@ -467,15 +468,15 @@ fn an_overflow_without_loss_scaling_makes_every_rank_skip() {
             let mut engine = DataParallel::new(&params(), &comm, cfg(stage))?;
             let before = engine.full_params()?;
             let mut scaler = NoScaler;
-            let (x, y) = batch(0, comm.rank() * 4, comm.rank() * 4 + 4);
+            let mb = batch(0, comm.rank() * 4, comm.rank() * 4 + 4);
             let model = Poisoned {
                 poison: comm.rank() == 1,
             };
-            let p = engine.backward(&model, &[(x.clone(), y.clone())], &mut scaler)?;
+            let p = engine.backward(&model, std::slice::from_ref(&mb), &mut scaler)?;
             engine.discard()?;
             let after = engine.full_params()?;
             // and a clean step afterwards has its norm
-            let q = engine.backward(&Toy, &[(x, y)], &mut scaler)?;
+            let q = engine.backward(&Toy, &[mb], &mut scaler)?;
             engine.apply(LR)?;
             Ok((
                 p.found_inf,

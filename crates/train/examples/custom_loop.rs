@@ -12,7 +12,7 @@ use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, Ra
 use kiln_ckpt::{ReshardRequest, Stateful, Step};
 use kiln_comm::{Communicator, ThreadComm};
 use kiln_data::{default_cache_dir, prepare_corpus, DataLoader, LoaderConfig, PrepareConfig};
-use kiln_memory::CheckpointPolicy;
+use kiln_memory::{CheckpointPolicy, MicroBatch};
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_monitor::{BatchInfo, BreakerPolicy, CircuitBreaker, ConsoleSink, DetectorSet};
 use kiln_monitor::{JsonlSink, MetricSink, MultiSink, Response, StepMetrics};
@@ -108,7 +108,7 @@ fn main() -> Result<()> {
             let x = Tensor::from_slice(&b.inputs, (per, CTX), &Device::Cpu)?;
             let y = Tensor::from_slice(&b.targets, (per, CTX), &Device::Cpu)?;
             let lr = schedule.lr(engine.steps()); // a skipped step does not advance it
-            let p = engine.backward(&model, &[(x, y)], &mut *scaler)?;
+            let p = engine.backward(&model, &[MicroBatch::new(x, y)?], &mut *scaler)?;
             step.0 += 1;
             let mut m = StepMetrics::new(step.0);
             (m.loss, m.grad_norm, m.lr) = (Some(p.loss as f64), p.grad_norm, Some(lr as f64));

@@ -9,6 +9,7 @@ use kiln_data::{
     prepare_corpus, Batch, DriftMonitor, PrepareConfig, QualityReport, SampleId, TokenSource,
     Verify,
 };
+use kiln_memory::MicroBatch;
 
 /// Bits of a breaker sample id that hold the window index; the source sits above them.
 const INDEX_BITS: u32 = 40;
@@ -189,11 +190,7 @@ pub fn drift_monitor(
 
 /// Splits a loader batch into `parts` micro-batches of input and target tensors `[b, t]` on
 /// `device` (one host-to-device copy of the token ids).
-pub fn micro_batches(
-    batch: &Batch,
-    parts: usize,
-    device: &Device,
-) -> Result<Vec<(Tensor, Tensor)>> {
+pub fn micro_batches(batch: &Batch, parts: usize, device: &Device) -> Result<Vec<MicroBatch>> {
     let (b, t) = (batch.batch_size, batch.ctx);
     if parts == 0 || b % parts != 0 {
         return Err(TrainError::Builder(format!(
@@ -206,7 +203,7 @@ pub fn micro_batches(
             let rows = k * m * t..(k + 1) * m * t;
             let x = Tensor::from_slice(&batch.inputs[rows.clone()], (m, t), device)?;
             let y = Tensor::from_slice(&batch.targets[rows], (m, t), device)?;
-            Ok((x, y))
+            Ok(MicroBatch::new(x, y)?)
         })
         .collect()
 }
@@ -239,8 +236,8 @@ mod tests {
             epochs: vec![0; 4],
         };
         let mb = micro_batches(&batch, 2, &Device::Cpu).unwrap();
-        assert_eq!(mb[1].0.to_vec2::<u32>().unwrap(), [[4, 5], [6, 7]]);
-        assert_eq!(mb[0].1.to_vec2::<u32>().unwrap(), [[1, 2], [3, 4]]);
+        assert_eq!(mb[1].inputs().to_vec2::<u32>().unwrap(), [[4, 5], [6, 7]]);
+        assert_eq!(mb[0].targets().to_vec2::<u32>().unwrap(), [[1, 2], [3, 4]]);
         assert!(micro_batches(&batch, 3, &Device::Cpu).is_err());
     }
 }

@@ -85,6 +85,9 @@ pub enum TrainError {
     /// Monitoring failed, or the circuit breaker halted the run.
     #[error(transparent)]
     Monitor(Box<kiln_monitor::MonitorError>),
+    /// The segmented executor or a micro-batch failed.
+    #[error(transparent)]
+    Memory(Box<kiln_memory::MemoryError>),
     /// Loss scaling failed.
     #[error(transparent)]
     Precision(Box<kiln_precision::PrecisionError>),
@@ -131,6 +134,7 @@ boxed_from!(
     Data: kiln_data::DataError,
     Ckpt: kiln_ckpt::CkptError,
     Monitor: kiln_monitor::MonitorError,
+    Memory: kiln_memory::MemoryError,
     Precision: kiln_precision::PrecisionError,
     Optim: kiln_optim::OptimError,
     Candle: candle_core::Error,

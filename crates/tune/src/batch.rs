@@ -7,11 +7,14 @@
 //! seq[j + 1]` where `seq[j + 1]` is a response token and [`IGNORE_INDEX`] where it is a prompt
 //! token or padding. Rows never share a sequence, so causal attention needs no extra mask: a
 //! response attends to its own prompt only, and the padding after it changes nothing before
-//! it. Build the model with `GptOptions { ignore_index: Some(IGNORE_INDEX), .. }`.
+//! it. [`RowBatch::micro_batch`] adds the loss mask that leaves the prompts and padding out
+//! under the engine; a model's own `loss` needs `GptOptions { ignore_index:
+//! Some(IGNORE_INDEX), .. }`.
 
 use crate::error::{Result, TuneError};
 use candle_core::{Device, Tensor};
 use kiln_data::{DistributedSampler, SamplerConfig, SkipSet, TailPolicy};
+use kiln_memory::MicroBatch;
 use kiln_state::{StateDict, Stateful};
 use serde::{Deserialize, Serialize};
 
@@ -121,6 +124,16 @@ fn to_batch(
         response_tokens,
         last_positions: lens.into_iter().map(|l| (l - 2) as u32).collect(),
     })
+}
+
+impl RowBatch {
+    /// The micro-batch the engine trains on: the inputs, the targets and a loss mask that is 1
+    /// on the response positions (the targets not equal to [`IGNORE_INDEX`]), so a model
+    /// counts only the responses whatever its own `ignore_index`.
+    pub fn micro_batch(&self) -> Result<MicroBatch> {
+        let mask = self.targets.ne(IGNORE_INDEX)?;
+        Ok(MicroBatch::new(self.inputs.clone(), self.targets.clone())?.with_loss_mask(mask)?)
+    }
 }
 
 /// Instruction examples as one row each, width `ctx`.

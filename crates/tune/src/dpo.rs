@@ -9,9 +9,9 @@
 //! [`DpoObjective`] runs the policy through kiln's segmented executor (so DPO trains under the
 //! data-parallel engine, ZeRO, tensor parallelism and activation checkpointing like
 //! pretraining) with a head that computes this loss. The reference's log-probabilities are
-//! computed beforehand ([`crate::model_log_probs`]) and travel with the batch: the targets
-//! tensor carries them in an extra column ([`DpoObjective::targets`]), so gradient
-//! accumulation and recomputation need no side channel. What the head saw (rewards, margins,
+//! computed beforehand ([`crate::model_log_probs`]) and travel with the batch as its named
+//! tensor [`REFERENCE_LOG_PROBS`] ([`DpoObjective::micro_batch`]), so gradient accumulation
+//! and recomputation need no side channel. What the head saw (rewards, margins,
 //! accuracies) is kept in [`DpoStats`] for the caller's metrics.
 //!
 //! PPO-based RLHF builds on the same parts: a [`crate::RewardModel`] scores sampled responses
@@ -24,10 +24,14 @@ use crate::error::{Result, TuneError};
 use crate::logprob::{log_sigmoid, sequence_log_probs};
 use candle_core::{DType, Tensor};
 use kiln_comm::{CommExt, Communicator, ReduceOp};
-use kiln_memory::{SegmentParams, SegmentedModel};
+use kiln_memory::{MicroBatch, SegmentParams, SegmentedModel};
 use kiln_model::Gpt;
 use serde::{Deserialize, Serialize};
 use std::sync::Mutex;
+
+/// The name of the micro-batch tensor that carries the reference model's log-probability of
+/// each row (f32 `[rows]`).
+pub const REFERENCE_LOG_PROBS: &str = "reference_log_probs";
 
 /// DPO's settings.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -195,8 +199,8 @@ fn half_credit(a: f32, b: f32) -> f64 {
 
 /// The policy under the DPO loss, as a [`SegmentedModel`] for the data-parallel engine: the
 /// GPT's embedding and blocks, then a head that scores the batch's chosen rows against its
-/// rejected rows. Batches come from [`crate::preference_batch`], targets from
-/// [`DpoObjective::targets`].
+/// rejected rows. Batches come from [`crate::preference_batch`], as micro-batches from
+/// [`DpoObjective::micro_batch`].
 #[derive(Debug)]
 pub struct DpoObjective<'a> {
     policy: &'a Gpt,
@@ -220,10 +224,11 @@ impl<'a> DpoObjective<'a> {
         &self.cfg
     }
 
-    /// The targets the engine passes with `batch`: its token targets `[2n, t]` and one more
-    /// column holding the reference's log-probability of each row (f32 bits), from
-    /// [`crate::model_log_probs`] of the reference on the same batch.
-    pub fn targets(batch: &RowBatch, reference_log_probs: &[f32]) -> Result<Tensor> {
+    /// The micro-batch the engine runs for `batch`: its inputs and token targets `[2n, t]`,
+    /// and the reference's log-probability of each row as the f32 tensor
+    /// [`REFERENCE_LOG_PROBS`] `[2n]`, from [`crate::model_log_probs`] of the reference on the
+    /// same batch.
+    pub fn micro_batch(batch: &RowBatch, reference_log_probs: &[f32]) -> Result<MicroBatch> {
         let rows = batch.targets.dim(0)?;
         if reference_log_probs.len() != rows || rows % 2 != 0 {
             return Err(TuneError::input(
@@ -232,9 +237,11 @@ impl<'a> DpoObjective<'a> {
                 reference_log_probs.len().to_string(),
             ));
         }
-        let bits: Vec<u32> = reference_log_probs.iter().map(|v| v.to_bits()).collect();
-        let col = Tensor::from_vec(bits, (rows, 1), batch.targets.device())?;
-        Ok(Tensor::cat(&[&batch.targets, &col], 1)?)
+        let refs = Tensor::from_slice(reference_log_probs, rows, batch.targets.device())?;
+        Ok(
+            MicroBatch::new(batch.inputs.clone(), batch.targets.clone())?
+                .with(REFERENCE_LOG_PROBS, refs)?,
+        )
     }
 
     /// What the head saw since the last call, and resets it. On this rank only: add the
@@ -249,44 +256,43 @@ impl<'a> DpoObjective<'a> {
     /// The statistics of `batch` under the policy's own weights (no gradient kept), against
     /// the reference's log-probabilities of its rows: held-out evaluation.
     pub fn evaluate(&self, batch: &RowBatch, reference_log_probs: &[f32]) -> Result<DpoStats> {
-        let y = Self::targets(batch, reference_log_probs)?;
+        let mb = Self::micro_batch(batch, reference_log_probs)?;
         let mut x = self.policy.embed(&batch.inputs)?;
         for i in 0..self.policy.n_blocks() {
             x = self.policy.block(i, &x)?.detach();
         }
-        let (_, stats) = self.head(&x, &y, &self.policy.named_parameters())?;
+        let (_, stats) = self.head(&x, &mb, &self.policy.named_parameters())?;
         Ok(stats)
     }
 
     fn head(
         &self,
         x: &Tensor,
-        targets: &Tensor,
+        batch: &MicroBatch,
         p: &dyn kiln_model::ParamSource,
     ) -> Result<(Tensor, DpoStats)> {
         let (rows, t, _) = x.dims3()?;
-        if targets.dims() != [rows, t + 1] || rows % 2 != 0 {
+        let tok = batch.targets();
+        if tok.dims() != [rows, t] || rows % 2 != 0 {
             return Err(TuneError::input(
                 "DPO targets",
-                format!(
-                    "[{rows}, {}] over an even number of rows (DpoObjective::targets)",
-                    t + 1
-                ),
-                format!("{:?}", targets.dims()),
+                format!("[{rows}, {t}] over an even number of rows"),
+                format!("{:?}", tok.dims()),
             ));
         }
-        let tok = targets.narrow(1, 0, t)?.contiguous()?;
-        let refs: Vec<f32> = targets
-            .narrow(1, t, 1)?
-            .flatten_all()?
-            .to_vec1::<u32>()?
-            .into_iter()
-            .map(f32::from_bits)
-            .collect();
-        let lp = sequence_log_probs(self.policy, x, &tok, p)?;
+        let r = batch.require(REFERENCE_LOG_PROBS)?;
+        if r.dims() != [rows] || r.dtype() != DType::F32 {
+            return Err(TuneError::input(
+                REFERENCE_LOG_PROBS,
+                format!("f32 [{rows}] (DpoObjective::micro_batch)"),
+                format!("{:?} {:?}", r.dtype(), r.dims()),
+            ));
+        }
+        let refs: Vec<f32> = r.to_vec1()?;
+        let lp = sequence_log_probs(self.policy, x, tok, p)?;
         let n = rows / 2;
         let dt = lp.dtype();
-        let r = Tensor::from_slice(&refs, rows, lp.device())?.to_dtype(dt)?;
+        let r = r.to_device(lp.device())?.to_dtype(dt)?;
         let (pc, pr) = (lp.narrow(0, 0, n)?, lp.narrow(0, n, n)?);
         let (rc, rr) = (r.narrow(0, 0, n)?, r.narrow(0, n, n)?);
         let loss = dpo_loss(&pc, &pr, &rc, &rr, &self.cfg)?;
@@ -319,14 +325,14 @@ impl SegmentedModel for DpoObjective<'_> {
         &self,
         i: usize,
         input: &Tensor,
-        targets: &Tensor,
+        batch: &MicroBatch,
         params: &SegmentParams,
     ) -> candle_core::Result<Tensor> {
         if let Some(out) = crate::logprob::trunk_segment(self.policy, i, input, params) {
             return out;
         }
         let (loss, s) = self
-            .head(input, targets, params)
+            .head(input, batch, params)
             .map_err(candle_core::Error::wrap)?;
         match self.stats.lock() {
             Ok(mut g) => g.add(&s),

@@ -13,6 +13,9 @@ pub enum TuneError {
     /// A tensor-parallel operation failed.
     #[error(transparent)]
     Parallel(#[from] kiln_parallel::ParallelError),
+    /// A micro-batch is missing a tensor or its tensors do not fit together.
+    #[error(transparent)]
+    Memory(#[from] kiln_memory::MemoryError),
     /// A collective failed.
     #[error(transparent)]
     Comm(#[from] kiln_comm::CommError),

@@ -52,11 +52,11 @@ pub use batch::{
     encode_row, preference_batch, sft_batch, Example, ExampleLoader, PreferencePair, RowBatch,
     IGNORE_INDEX, PAD_ID,
 };
-pub use dpo::{dpo_loss, DpoConfig, DpoObjective, DpoStats};
+pub use dpo::{dpo_loss, DpoConfig, DpoObjective, DpoStats, REFERENCE_LOG_PROBS};
 pub use error::{Result, TuneError};
 pub use int8::{export_int8, load_int8, quantize_weight, ExportReport, Int8Linear};
 pub use logprob::{log_sigmoid, model_log_probs, sequence_log_probs};
 pub use lora::{is_adapter_param, lora_gpt, Lora, LoraConfig, LoraFactory, LoraLinear, LoraTarget};
 pub use qat::{fake_quantize, qat_gpt, weight_scales, Qat, QatConfig, QatFactory, QatLinear};
-pub use reward::{RewardModel, RewardStats, SCORE_WEIGHT};
+pub use reward::{RewardModel, RewardStats, LAST_POSITIONS, SCORE_WEIGHT};
 pub use synthetic::{answer_quality, last_word_pairs, reverse_examples, AnswerQuality};

@@ -8,7 +8,7 @@ use crate::error::{Result, TuneError};
 use crate::logprob::log_sigmoid;
 use candle_core::{DType, Tensor, Var};
 use kiln_comm::{CommExt, Communicator, ReduceOp};
-use kiln_memory::{SegmentParams, SegmentedModel};
+use kiln_memory::{MicroBatch, SegmentParams, SegmentedModel};
 use kiln_model::{Gpt, Init, Initializer, ParamSource};
 use kiln_optim::ParamKind;
 use kiln_parallel::tp::TpSplit;
@@ -16,6 +16,9 @@ use std::sync::Mutex;
 
 /// The name of the scalar head's weight `[1, d]`.
 pub const SCORE_WEIGHT: &str = "score.weight";
+/// The name of the micro-batch tensor that holds each row's last token position (u32
+/// `[rows]`), where the reward is read.
+pub const LAST_POSITIONS: &str = "last_positions";
 
 /// Sums over the pairs a reward head saw.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -55,8 +58,8 @@ impl RewardStats {
 /// `h_last` is the last block's output at the sequence's last token (Hugging Face's
 /// `GPT2ForSequenceClassification` with one label). The head is replicated over
 /// tensor-parallel ranks. As a [`SegmentedModel`] its loss is the Bradley-Terry loss over a
-/// [`crate::preference_batch`] (chosen rows first), with targets from
-/// [`RewardModel::targets`].
+/// [`crate::preference_batch`] (chosen rows first), as micro-batches from
+/// [`RewardModel::micro_batch`].
 #[derive(Debug)]
 pub struct RewardModel {
     gpt: Gpt,
@@ -113,18 +116,26 @@ impl RewardModel {
         k
     }
 
-    /// The targets the engine passes with `batch`: each row's last token position `[rows, 1]`.
-    pub fn targets(batch: &RowBatch) -> Result<Tensor> {
+    /// The micro-batch the engine runs for `batch`: its inputs and targets, and each row's
+    /// last token position as the u32 tensor [`LAST_POSITIONS`] `[rows]`.
+    pub fn micro_batch(batch: &RowBatch) -> Result<MicroBatch> {
+        Ok(
+            MicroBatch::new(batch.inputs.clone(), batch.targets.clone())?
+                .with(LAST_POSITIONS, Self::last_positions(batch)?)?,
+        )
+    }
+
+    fn last_positions(batch: &RowBatch) -> Result<Tensor> {
         let rows = batch.last_positions.len();
         Ok(Tensor::from_slice(
             &batch.last_positions,
-            (rows, 1),
+            rows,
             batch.inputs.device(),
         )?)
     }
 
-    /// Rewards `[rows]` of hidden states `[rows, t, d]` at the positions `last` `[rows, 1]`
-    /// (u32), with the weights `p` supplies.
+    /// Rewards `[rows]` of hidden states `[rows, t, d]` at the positions `last` `[rows]` (u32),
+    /// with the weights `p` supplies.
     pub fn rewards_with(&self, x: &Tensor, last: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
         let (rows, t, d) = x.dims3()?;
         let pos: Vec<u32> = last.flatten_all()?.to_vec1()?;
@@ -156,7 +167,7 @@ impl RewardModel {
         let mut params = self.gpt.named_parameters();
         params.push((SCORE_WEIGHT.to_string(), self.score.clone()));
         Ok(self
-            .rewards_with(&x, &Self::targets(batch)?, &params)?
+            .rewards_with(&x, &Self::last_positions(batch)?, &params)?
             .detach()
             .to_vec1()?)
     }
@@ -175,7 +186,7 @@ impl RewardModel {
         }
     }
 
-    fn head(&self, x: &Tensor, targets: &Tensor, p: &dyn ParamSource) -> Result<Tensor> {
+    fn head(&self, x: &Tensor, batch: &MicroBatch, p: &dyn ParamSource) -> Result<Tensor> {
         let rows = x.dim(0)?;
         if rows % 2 != 0 {
             return Err(TuneError::input(
@@ -184,7 +195,7 @@ impl RewardModel {
                 rows.to_string(),
             ));
         }
-        let r = self.rewards_with(x, targets, p)?;
+        let r = self.rewards_with(x, batch.require(LAST_POSITIONS)?, p)?;
         let n = rows / 2;
         let diff = (r.narrow(0, 0, n)? - r.narrow(0, n, n)?)?;
         let loss = log_sigmoid(&diff)?.neg()?.mean_all()?;
@@ -237,13 +248,13 @@ impl SegmentedModel for RewardModel {
         &self,
         i: usize,
         input: &Tensor,
-        targets: &Tensor,
+        batch: &MicroBatch,
         params: &SegmentParams,
     ) -> candle_core::Result<Tensor> {
         if let Some(out) = crate::logprob::trunk_segment(&self.gpt, i, input, params) {
             return out;
         }
-        self.head(input, targets, params)
+        self.head(input, batch, params)
             .map_err(candle_core::Error::wrap)
     }
 }

@@ -13,7 +13,7 @@ use candle_core::{Device, Tensor};
 use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState};
 use kiln_ckpt::{ReshardRequest, Stateful};
 use kiln_comm::{Communicator, ThreadComm};
-use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, ShardingStage};
+use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, MicroBatch, ShardingStage};
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_parallel::{DataParallel, DataParallelConfig, Stage};
 use kiln_precision::NoScaler;
@@ -154,7 +154,12 @@ fn frozen_parameters_never_move_and_hold_no_optimizer_state() {
     let mut losses = Vec::new();
     for _ in 0..8 {
         let r = engine
-            .step(&model, &[(x.clone(), y.clone())], 1e-2, &mut NoScaler)
+            .step(
+                &model,
+                &[MicroBatch::new(x.clone(), y.clone()).unwrap()],
+                1e-2,
+                &mut NoScaler,
+            )
             .unwrap();
         losses.push(r.loss);
     }
@@ -260,7 +265,7 @@ fn adapter_only_checkpoints_resume_bitwise() {
                 let xb = x.narrow(0, 2 * r, 2)?;
                 let yb = y.narrow(0, 2 * r, 2)?;
                 lora.set_step(step.0);
-                engine.step(&model, &[(xb, yb)], 5e-3, &mut NoScaler)?;
+                engine.step(&model, &[MicroBatch::new(xb, yb)?], 5e-3, &mut NoScaler)?;
                 step.0 += 1;
                 if save_at == Some(step.0) {
                     let st = RankState::capture_all(&[
@@ -408,7 +413,12 @@ fn dropout_masks_are_drawn_again_by_a_recomputed_forward() {
         };
         let mut engine = DataParallel::new(&model.segment_param_lists(), &comm, dpc).unwrap();
         let r = engine
-            .step(&model, &[(x.clone(), y.clone())], 1e-2, &mut NoScaler)
+            .step(
+                &model,
+                &[MicroBatch::new(x.clone(), y.clone()).unwrap()],
+                1e-2,
+                &mut NoScaler,
+            )
             .unwrap();
         let params: Vec<f32> = lora
             .parameters()

@@ -144,8 +144,8 @@ fn dpo_run(steps: u64, dp: usize, lr: f32) -> (DpoStats, DpoStats, DpoStats, Dpo
             let refs: Vec<&PreferencePair> = idx.iter().map(|&i| &train[i]).collect();
             let b = preference_batch(&refs, CTX, &Device::Cpu)?;
             let ref_lp = model_log_probs(&reference, &b.inputs, &b.targets)?;
-            let y = DpoObjective::targets(&b, &ref_lp)?;
-            engine.step(&dpo, &[(b.inputs, y)], lr, &mut NoScaler)?;
+            let mb = DpoObjective::micro_batch(&b, &ref_lp)?;
+            engine.step(&dpo, &[mb], lr, &mut NoScaler)?;
             let st = dpo.take_stats().all_reduce(&*world)?;
             if s == 0 {
                 first = st;
@@ -194,7 +194,7 @@ fn dpo_under_tensor_parallelism_equals_tp1() {
     // a reference that differs from the policy, so the margins are not zero
     let reference = Gpt::new(&cfg, &opts(8)).unwrap();
     let ref_lp = model_log_probs(&reference, &b.inputs, &b.targets).unwrap();
-    let y = DpoObjective::targets(&b, &ref_lp).unwrap();
+    let mb = DpoObjective::micro_batch(&b, &ref_lp).unwrap();
     let run = |model: &Gpt| -> anyhow::Result<Run> {
         let dpo = DpoObjective::new(model, DpoConfig::default())?;
         let mut grads = kiln_memory::CollectGrads::default();
@@ -207,8 +207,7 @@ fn dpo_under_tensor_parallelism_equals_tp1() {
         );
         let out = kiln_memory::Executor::new(kiln_memory::CheckpointPolicy::EveryBlock).run(
             &dpo,
-            &b.inputs,
-            &y,
+            &mb,
             &mut provider,
             &mut grads,
             1.0,
@@ -293,8 +292,8 @@ fn dpo_resumes_bitwise() {
                 let refs: Vec<&PreferencePair> = idx.iter().map(|&i| &train[i]).collect();
                 let b = preference_batch(&refs, CTX, &Device::Cpu)?;
                 let ref_lp = model_log_probs(&reference, &b.inputs, &b.targets)?;
-                let y = DpoObjective::targets(&b, &ref_lp)?;
-                engine.step(&dpo, &[(b.inputs, y)], 3e-3, &mut NoScaler)?;
+                let mb = DpoObjective::micro_batch(&b, &ref_lp)?;
+                engine.step(&dpo, &[mb], 3e-3, &mut NoScaler)?;
                 step.0 += 1;
                 if save_at == Some(step.0) {
                     let st = RankState::capture_all(&[
@@ -346,8 +345,8 @@ fn the_reward_model_learns_the_preference() {
             let idx = loader.next_indices()?;
             let refs: Vec<&PreferencePair> = idx.iter().map(|&i| &train[i]).collect();
             let b = preference_batch(&refs, CTX, &Device::Cpu)?;
-            let y = RewardModel::targets(&b)?;
-            engine.step(&rm, &[(b.inputs, y)], 1e-3, &mut NoScaler)?;
+            let mb = RewardModel::micro_batch(&b)?;
+            engine.step(&rm, &[mb], 1e-3, &mut NoScaler)?;
             last = Some(rm.take_stats().all_reduce(&*world)?);
         }
         let after = rm.evaluate(&hb)?;
@@ -365,4 +364,75 @@ fn the_reward_model_learns_the_preference() {
     );
     assert!((0.3..0.7).contains(&before.accuracy()), "{before:?}");
     assert!(after.accuracy() > 0.9, "{after:?}");
+}
+
+/// The objectives read their per-example tensors by name: a micro-batch without the
+/// reference's log-probabilities (DPO) or the last positions (reward model) is an error naming
+/// the missing tensor, and one of the wrong shape an error naming the expected shape.
+#[test]
+fn a_missing_or_misshapen_named_tensor_is_an_error_naming_it() {
+    let cfg = GptConfig::tiny();
+    let pairs = last_word_pairs(2, 16, 4, 7).unwrap();
+    let refs: Vec<&PreferencePair> = pairs.iter().collect();
+    let b = preference_batch(&refs, CTX, &Device::Cpu).unwrap();
+    let policy = Gpt::new(&cfg, &opts(7)).unwrap();
+    let run = |model: &dyn kiln_memory::SegmentedModel, mb: &kiln_memory::MicroBatch| {
+        let mut provider = kiln_memory::StaticParams::new(
+            policy
+                .segment_param_lists()
+                .into_iter()
+                .map(kiln_memory::SegmentParams::new)
+                .collect(),
+        );
+        kiln_memory::Executor::default()
+            .run(
+                model,
+                mb,
+                &mut provider,
+                &mut kiln_memory::CollectGrads::default(),
+                1.0,
+            )
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let bare = kiln_memory::MicroBatch::new(b.inputs.clone(), b.targets.clone()).unwrap();
+    let dpo = DpoObjective::new(&policy, DpoConfig::default()).unwrap();
+    let e = run(&dpo, &bare);
+    assert!(
+        e.contains("`reference_log_probs`") && e.contains("only inputs, targets"),
+        "{e}"
+    );
+    let rows = b.inputs.dim(0).unwrap();
+    let wrong = bare
+        .clone()
+        .with(
+            kiln_tune::REFERENCE_LOG_PROBS,
+            Tensor::zeros(rows, DType::F64, &Device::Cpu).unwrap(),
+        )
+        .unwrap();
+    let e = run(&dpo, &wrong);
+    assert!(
+        e.contains("reference_log_probs") && e.contains("f32"),
+        "{e}"
+    );
+    let rm = RewardModel::new(Gpt::new(&cfg, &opts(7)).unwrap(), 1).unwrap();
+    let mut provider = kiln_memory::StaticParams::new(
+        rm.segment_param_lists()
+            .into_iter()
+            .map(kiln_memory::SegmentParams::new)
+            .collect(),
+    );
+    let e = kiln_memory::Executor::default()
+        .run(
+            &rm,
+            &bare,
+            &mut provider,
+            &mut kiln_memory::CollectGrads::default(),
+            1.0,
+        )
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`last_positions`"), "{e}");
 }

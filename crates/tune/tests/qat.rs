@@ -11,6 +11,7 @@ use common::{batch, flat, python_json};
 
 use candle_core::{Device, Tensor, Var};
 use kiln_comm::{Communicator, ThreadComm};
+use kiln_memory::MicroBatch;
 use kiln_model::{GptConfig, GptOptions};
 use kiln_parallel::{DataParallel, DataParallelConfig};
 use kiln_precision::NoScaler;
@@ -88,7 +89,12 @@ fn observers_start_unquantized_update_after_a_step_and_round_trip() {
     let mut losses = Vec::new();
     for _ in 0..10 {
         let r = engine
-            .step(&model, &[(x.clone(), y.clone())], 3e-3, &mut NoScaler)
+            .step(
+                &model,
+                &[MicroBatch::new(x.clone(), y.clone()).unwrap()],
+                3e-3,
+                &mut NoScaler,
+            )
             .unwrap();
         qat.update_observers(None).unwrap();
         losses.push(r.loss);
@@ -200,7 +206,14 @@ fn the_int8_export_reads_back_and_runs_to_the_fake_quantized_logits() {
         .unwrap();
         for s in 0..3 {
             let (x, y) = batch(4, 32, cfg.vocab_size, s);
-            engine.step(&model, &[(x, y)], 3e-3, &mut NoScaler).unwrap();
+            engine
+                .step(
+                    &model,
+                    &[MicroBatch::new(x, y).unwrap()],
+                    3e-3,
+                    &mut NoScaler,
+                )
+                .unwrap();
             qat.update_observers(None).unwrap();
         }
         let path = dir.join(format!("model-{activations}.safetensors"));

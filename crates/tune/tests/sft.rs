@@ -204,7 +204,7 @@ fn fine_tuning_answers_held_out_prompts_better() {
             let refs: Vec<&Example> = idx.iter().map(|&i| &train[i]).collect();
             let b = sft_batch(&refs, ctx, &Device::Cpu)?;
             let lr = schedule.lr(engine.steps());
-            let r = engine.step(&model, &[(b.inputs, b.targets)], lr, &mut NoScaler)?;
+            let r = engine.step(&model, &[b.micro_batch()?], lr, &mut NoScaler)?;
             losses.push(r.loss);
         }
         let after = answer_quality(&model, &held_out, ctx)?;

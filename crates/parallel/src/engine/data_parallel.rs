@@ -6,9 +6,9 @@ use super::worker::Worker;
 use crate::error::{ParallelError, Result};
 use crate::flat::{tensor_into_slice, write_var, FlatLayout};
 use crate::tp::TpSplit;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Var};
 use kiln_comm::{chunk_range, CommExt, Communicator, ReduceOp};
-use kiln_memory::{Executor, SegmentedModel};
+use kiln_memory::{Executor, MicroBatch, SegmentedModel};
 use kiln_optim::{DecayOverride, Optimizer, OptimizerFactory, ParamKind, WeightDecayGroups};
 use kiln_precision::{unscale_and_check, LossScaler};
 use std::sync::Arc;
@@ -501,8 +501,8 @@ impl DataParallel {
         Ok(())
     }
 
-    /// One optimizer step over `micro_batches` (inputs and targets; gradient accumulation when
-    /// more than one): forward and backward through the segmented executor with this engine's
+    /// One optimizer step over `micro_batches` (each a [`MicroBatch`] of named tensors;
+    /// gradient accumulation when more than one): forward and backward through the segmented executor with this engine's
     /// gradient hook and parameter provider, gradient reduction, unscale and found-inf check,
     /// clipping, the optimizer on this rank's shard and the parameter gather.
     ///
@@ -511,7 +511,7 @@ impl DataParallel {
     pub fn step<M: SegmentedModel + ?Sized>(
         &mut self,
         model: &M,
-        micro_batches: &[(Tensor, Tensor)],
+        micro_batches: &[MicroBatch],
         lr: f32,
         scaler: &mut dyn LossScaler,
     ) -> Result<StepReport> {
@@ -530,7 +530,7 @@ impl DataParallel {
     pub fn step_gated<M: SegmentedModel + ?Sized>(
         &mut self,
         model: &M,
-        micro_batches: &[(Tensor, Tensor)],
+        micro_batches: &[MicroBatch],
         lr: f32,
         scaler: &mut dyn LossScaler,
         gate: &mut dyn FnMut(&StepPreview) -> bool,
@@ -553,7 +553,7 @@ impl DataParallel {
     pub fn backward<M: SegmentedModel + ?Sized>(
         &mut self,
         model: &M,
-        micro_batches: &[(Tensor, Tensor)],
+        micro_batches: &[MicroBatch],
         scaler: &mut dyn LossScaler,
     ) -> Result<StepPreview> {
         if self.pending.is_some() {
@@ -584,7 +584,7 @@ impl DataParallel {
         let mut loss_sum = 0.0f64;
         let mut forward_s = 0.0f64;
         let mut comm_wait = Duration::ZERO;
-        for (k, (x, y)) in micro_batches.iter().enumerate() {
+        for (k, batch) in micro_batches.iter().enumerate() {
             let sync = k + 1 == accum;
             let communicate = sync || self.cfg.stage.shards_grads();
             let mut hook = GradSink {
@@ -617,7 +617,7 @@ impl DataParallel {
                 stage: self.cfg.stage,
                 device: &self.device,
             };
-            let out = executor.run(model, x, y, &mut provider, &mut hook, scale as f64)?;
+            let out = executor.run(model, batch, &mut provider, &mut hook, scale as f64)?;
             forward_s += out.forward_s;
             loss_sum += out
                 .loss

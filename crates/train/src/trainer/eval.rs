@@ -63,10 +63,10 @@ impl<M: TrainModel> Trainer<M> {
         for _ in 0..self.cfg.eval.batches {
             let b = val.next_batch()?;
             let mut mb = micro_batches(&b, 1, self.engine.device())?;
-            let (x, y) = mb.remove(0);
-            let mut h = x;
+            let batch = mb.remove(0);
+            let mut h = batch.inputs().clone();
             for (i, p) in segs.iter().enumerate() {
-                h = self.model.forward_segment(i, &h, &y, p)?;
+                h = self.model.forward_segment(i, &h, &batch, p)?;
             }
             sum += h.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
         }

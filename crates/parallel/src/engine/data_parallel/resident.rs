@@ -31,7 +31,7 @@ use crate::tp::TpSplit;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::{CudaDevice, Device, Tensor};
 use kiln_comm::{chunk_range, CommExt, Communicator, ReduceOp};
-use kiln_memory::{BoxError, Executor, GradHook, SegmentedModel};
+use kiln_memory::{BoxError, Executor, GradHook, MicroBatch, SegmentedModel};
 use kiln_optim::{AdamW, Optimizer, SquareSum};
 use kiln_precision::LossScaler;
 use std::ops::Range;
@@ -214,7 +214,7 @@ impl DataParallel {
     pub(super) fn backward_resident<M: SegmentedModel + ?Sized>(
         &mut self,
         model: &M,
-        micro_batches: &[(Tensor, Tensor)],
+        micro_batches: &[MicroBatch],
         scaler: &mut dyn LossScaler,
     ) -> Result<StepPreview> {
         let t0 = Instant::now();
@@ -228,7 +228,7 @@ impl DataParallel {
             .resident
             .as_mut()
             .ok_or_else(|| ParallelError::Config("the device buffers are not set up".into()))?;
-        for (k, (x, y)) in micro_batches.iter().enumerate() {
+        for (k, batch) in micro_batches.iter().enumerate() {
             let mut hook = DeviceGradSink {
                 layout: &self.layout,
                 dev: &res.dev,
@@ -244,7 +244,7 @@ impl DataParallel {
                 stage: self.cfg.stage,
                 device: &self.device,
             };
-            let out = executor.run(model, x, y, &mut provider, &mut hook, scale as f64)?;
+            let out = executor.run(model, batch, &mut provider, &mut hook, scale as f64)?;
             forward_s += out.forward_s;
             loss_sum += out
                 .loss
