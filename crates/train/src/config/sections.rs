@@ -180,7 +180,9 @@ pub struct TrainSection {
     pub micro_batch: usize,
     /// Micro-batches accumulated per step.
     pub accumulation: usize,
-    /// Tokens per sample (at most the model's context).
+    /// Tokens per sample, at most the model's context. A TOML file without it, or flags that
+    /// choose the model (`--preset`, `--model.n_ctx`) without `--ctx`, take the model's
+    /// context length.
     pub seq_len: usize,
     /// Activation checkpointing: `none`, `every_block`, or `every_<k>` (every k-th block).
     pub activation_checkpointing: CheckpointPolicy,

@@ -410,6 +410,10 @@ impl<M: TrainModel> TrainerBuilder<M> {
                 ),
             ));
         }
+        // step counts the run is shorter than, said once
+        for note in cfg.short_run_notes() {
+            pending_events.push(Event::new(EventKind::Info, 0, note));
+        }
         if let Some((micro, accumulation, budget)) = dynamic {
             pending_events.push(Event::new(
                 EventKind::Info,
