@@ -482,8 +482,11 @@ pub struct MetricsSection {
     pub console: bool,
     /// Console line interval in steps.
     pub console_every: u64,
-    /// Peak FLOP/s of the whole machine, the denominator of MFU.
-    pub peak_flops_per_s: f64,
+    /// Peak FLOP/s of every device of the run together, the denominator of MFU. None (the
+    /// default): asked of the device in the compute dtype ([`crate::run_peak`]: a CPU's cores
+    /// x clock x vector units, a GPU's published dense peak by its name), and the basis is
+    /// printed at the start of the run.
+    pub peak_flops_per_s: Option<f64>,
     /// Steps between records of `param_norm` and `update_param_ratio`, as Megatron logs its
     /// parameter norm at the log interval: computed inside the update on the steps that are
     /// multiples of it (1: every step, 0: never). Each costs two exact square sums over the
@@ -500,7 +503,7 @@ impl Default for MetricsSection {
             png: true,
             console: true,
             console_every: 10,
-            peak_flops_per_s: 2e11,
+            peak_flops_per_s: None,
             update_norms_every: 10,
         }
     }

@@ -250,11 +250,13 @@ impl RunConfig {
                 );
             }
         }
-        if !(self.metrics.peak_flops_per_s.is_finite() && self.metrics.peak_flops_per_s > 0.0) {
-            return bad(
-                "metrics.peak_flops_per_s",
-                format!("must be > 0, got {}", self.metrics.peak_flops_per_s),
-            );
+        if let Some(peak) = self.metrics.peak_flops_per_s {
+            if !(peak.is_finite() && peak > 0.0) {
+                return bad(
+                    "metrics.peak_flops_per_s",
+                    format!("must be finite and > 0 (or left out: the device's), got {peak}"),
+                );
+            }
         }
         let m = &self.monitor;
         if !(m.watchdog_s.is_finite() && m.watchdog_s >= 0.0) {
