@@ -251,7 +251,10 @@ impl RunConfig {
             out.push_str(&format!("  --{short:<20} {field}\n"));
         }
         out.push_str(&format!(
-            "  --<section>.<field>    any field below\n\nthe preset {preset:?}:\n{}",
+            "  --<section>.<field>    any field below\n\n--preset picks the model ({}) and \
+             trains at its context length unless --ctx is given too; a run shorter than its \
+             warmup warms up over all its steps.\n\nthe preset {preset:?}:\n{}",
+            kiln_model::PRESET_NAMES.join(", "),
             RunConfig::preset(preset)?.to_toml_string()?
         ));
         Ok(out)
