@@ -86,11 +86,23 @@ mod tests {
 
     #[test]
     fn a_given_peak_wins_and_the_cpu_is_asked_otherwise() {
+        // given by a flag (as a float or a whole number) or in TOML, it wins
         let mut cfg = RunConfig::default();
-        cfg.metrics.peak_flops_per_s = Some(3.5e11);
+        cfg.apply_overrides(&[("metrics.peak_flops_per_s", "989e12")])
+            .unwrap();
+        assert_eq!(cfg.metrics.peak_flops_per_s, Some(989e12));
+        cfg.apply_overrides(&[("metrics.peak_flops_per_s", "350000000000")])
+            .unwrap();
+        assert_eq!(cfg.metrics.peak_flops_per_s, Some(3.5e11));
+        let toml = RunConfig::from_toml_str("[metrics]\npeak_flops_per_s = 3.5e11\n").unwrap();
+        assert_eq!(toml.metrics, cfg.metrics);
         let given = run_peak(&cfg, &Device::Cpu).unwrap();
         assert_eq!(given.flops_per_s, 3.5e11);
         assert!(given.basis.contains("given"), "{}", given.basis);
+        let mut zero = cfg.clone();
+        zero.metrics.peak_flops_per_s = Some(0.0);
+        let e = zero.validate().unwrap_err().to_string();
+        assert!(e.contains("RunConfig.metrics.peak_flops_per_s"), "{e}");
         // not given: this machine's CPU, as kiln-monitor computes it from /proc/cpuinfo
         cfg.metrics.peak_flops_per_s = None;
         let Ok(cpu) = CpuInfo::probe() else {
