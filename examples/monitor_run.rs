@@ -45,10 +45,21 @@ fn main() -> anyhow::Result<()> {
         .with(PlotSink::new(out.join("run.png")));
     let mut detectors = DetectorSet::standard();
     let mut breaker = CircuitBreaker::new(BreakerPolicy::default())?;
-    let mfu = Mfu::new(
-        Mfu::transformer_flops_per_token(3_200_000, 4, 256, 128),
-        2.0e11,
-    )?;
+    // MFU against this machine's f32 peak (cores x clock x vector units), its basis printed;
+    // none where the CPU does not say enough to compute it
+    let mfu = match CpuInfo::probe().and_then(|cpu| cpu.peak(kiln_state::DType::F32)) {
+        Ok(peak) => {
+            println!("mfu of the simulated step times against the {peak}");
+            Some(Mfu::new(
+                Mfu::transformer_flops_per_token(3_200_000, 4, 256, 128),
+                peak.flops_per_s,
+            )?)
+        }
+        Err(e) => {
+            println!("mfu not reported: {e}");
+            None
+        }
+    };
 
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let mut cursor = 0u64;
@@ -86,7 +97,9 @@ fn main() -> anyhow::Result<()> {
             ..StepMetrics::new(step)
         };
         m.set_throughput(BATCH as u64 * 128, BATCH as u64, step_time);
-        m.set_mfu(&mfu);
+        if let Some(mfu) = &mfu {
+            m.set_mfu(mfu);
+        }
         m.set_memory();
 
         let verdicts = detectors.observe(&m);

@@ -134,6 +134,10 @@ fn report(summary: &TrainSummary, sample: &str, wall: f64) {
         println!("  rollbacks: {:?}", summary.rollbacks);
     }
     println!("  skipped steps: {}", summary.skipped_steps);
+    let last_mfu = summary.last_metrics.as_ref().and_then(|m| m.mfu);
+    if let (Some(mfu), Some(peak)) = (last_mfu, &summary.mfu_peak) {
+        println!("  mfu {:.1}% at the last step, of the {peak}", mfu * 100.0);
+    }
     for (name, q) in &summary.quality {
         println!(
             "  quality filter    {name}: kept {} of {} documents, {} of {} tokens (perplexity <= {:.1})",

@@ -57,6 +57,17 @@ pub enum MonitorError {
     /// The watchdog saw no step complete within its timeout.
     #[error("{0}")]
     Hang(Box<HangReport>),
+    /// No peak FLOP/s is known for a device in a dtype (an unknown GPU, a CPU without a
+    /// clock or a known vector unit).
+    #[error("no {dtype} peak FLOP/s for {device}: {reason}")]
+    Peak {
+        /// The device (a GPU's name, a CPU's model name).
+        device: String,
+        /// The number format asked for.
+        dtype: kiln_state::DType,
+        /// Why, and what to do.
+        reason: String,
+    },
 }
 
 /// `Result` with [`MonitorError`].

@@ -4,7 +4,9 @@
 //!
 //! - [`StepMetrics`]: one step's record, 31 standard metrics (loss, gradient norms, learning
 //!   rate, loss scale, throughput, MFU via [`Mfu`], step-time breakdown, memory, per-source
-//!   loss, ...), most optional so a trainer fills what it has. [`RankSummary`] combines the
+//!   loss, ...), most optional so a trainer fills what it has. MFU divides by a [`PeakFlops`]
+//!   that states its basis: a CPU's cores x clock x vector units from [`CpuInfo`], a GPU's
+//!   published dense peak by its name, or a figure the user gives. [`RankSummary`] combines the
 //!   ranks' loss and step times (mean loss, slowest rank = straggler) in one collective.
 //! - [`MetricSink`]: [`JsonlSink`] (the canonical log, schema below), [`ConsoleSink`]
 //!   (progress bar or plain lines), [`TensorBoardSink`] (event files TensorBoard reads),
@@ -71,6 +73,7 @@ mod event;
 mod jsonfloat;
 mod jsonl;
 mod metrics;
+mod peak;
 mod plot;
 mod sink;
 mod stats;
@@ -91,6 +94,7 @@ pub use error::{MonitorError, Result};
 pub use event::{Event, EventKind};
 pub use jsonl::{read_jsonl, JsonlLine, JsonlSink};
 pub use metrics::{MemoryUsage, Mfu, ScalerEvent, StepMetrics};
+pub use peak::{CpuInfo, GpuPeak, PeakFlops, GPU_PEAKS};
 pub use plot::PlotSink;
 pub use sink::{MetricSink, MultiSink};
 pub use stats::MAD_TO_SD;

@@ -284,7 +284,8 @@ impl MemoryUsage {
 ///
 /// `flops_per_token` is the model's training FLOPs per token (forward and backward), as
 /// kiln-model reports it or [`Mfu::transformer_flops_per_token`] estimates it; the peak is the
-/// hardware's (all devices together), configured by the user.
+/// hardware's (all devices together): [`crate::PeakFlops`] finds it from the device (a CPU's
+/// cores, clock and vector units; a GPU's published peak) and states its basis.
 ///
 /// ```
 /// use kiln_monitor::Mfu;

@@ -53,6 +53,7 @@ mod config;
 mod data;
 mod error;
 mod model;
+mod peak;
 mod pretrained;
 mod run;
 pub mod state;
@@ -66,6 +67,7 @@ pub use config::{
 pub use data::{decode_sample_id, encode_sample_id, micro_batches, prepare_sources, DataSources};
 pub use error::{Result, TrainError};
 pub use model::{gpt_config_hash, ModelContext, TrainModel};
+pub use peak::run_peak;
 pub use pretrained::{Pretrained, PretrainedSource, GPT_META_KEY, TOKENIZER_FILE};
 pub use run::{one_op_thread_per_rank, run_threads, run_threads_with, run_with, RankContext};
 pub use state::TrainerProgress;

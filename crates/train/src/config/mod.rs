@@ -215,15 +215,22 @@ impl RunConfig {
         })
     }
 
-    /// Parses a TOML document.
+    /// Parses a TOML document. A document that leaves out `train.seq_len` trains at the
+    /// model's context length (`n_ctx` of `model.preset`, or `model.n_ctx`).
+    ///
+    /// ```
+    /// use kiln_train::RunConfig;
+    /// let cfg = RunConfig::from_toml_str("[model]\npreset = \"small_cpu\"\n")?;
+    /// assert_eq!(cfg.train.seq_len, 128);
+    /// let cfg = RunConfig::from_toml_str("[model]\npreset = \"small_cpu\"\n[train]\nseq_len = 32\n")?;
+    /// assert_eq!(cfg.train.seq_len, 32);
+    /// # Ok::<(), kiln_train::TrainError>(())
+    /// ```
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        toml::from_str(text).map_err(|e| TrainError::Parse {
-            path: PathBuf::from("<string>"),
-            source: Box::new(e),
-        })
+        Self::parse_toml(text, Path::new("<string>"))
     }
 
-    /// Reads and parses a TOML file.
+    /// Reads and parses a TOML file (see [`RunConfig::from_toml_str`]).
     pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| TrainError::File {
@@ -231,10 +238,22 @@ impl RunConfig {
             path: path.to_path_buf(),
             source: e,
         })?;
-        toml::from_str(&text).map_err(|e| TrainError::Parse {
+        Self::parse_toml(&text, path)
+    }
+
+    fn parse_toml(text: &str, path: &Path) -> Result<Self> {
+        let parse_error = |e| TrainError::Parse {
             path: path.to_path_buf(),
             source: Box::new(e),
-        })
+        };
+        let mut cfg: RunConfig = toml::from_str(text).map_err(parse_error)?;
+        let doc: toml::Table = toml::from_str(text).map_err(parse_error)?;
+        let seq_len_given = doc.get("train").and_then(|t| t.get("seq_len")).is_some();
+        // an unknown preset is left for `validate` to name
+        if let (false, Ok(model)) = (seq_len_given, cfg.gpt_config()) {
+            cfg.train.seq_len = model.n_ctx;
+        }
+        Ok(cfg)
     }
 
     /// The configuration as TOML.
@@ -356,14 +375,16 @@ mod tests {
             e,
             "invalid run config: RunConfig.train.seq_len: must be in 1..=64 (the model's n_ctx), got 65"
         );
+        // a warmup longer than the run is capped, and said, not an error
         let mut c = RunConfig::default();
         c.optim.schedule.warmup_steps = 500;
-        let e = c.validate().unwrap_err().to_string();
-        assert!(
-            e.ends_with(
-                "RunConfig.optim.schedule.warmup_steps: 500 must not exceed train.steps (100)"
-            ),
-            "{e}"
+        c.validate().unwrap();
+        assert_eq!(
+            c.short_run_notes(),
+            [
+                "optim.schedule.warmup_steps 500 is longer than the run's 100 steps: warming up \
+              over all 100"
+            ]
         );
         let e = RunConfig::from_toml_str("[train]\nactivation_checkpointing = \"every_0\"\n")
             .unwrap_err()
@@ -555,6 +576,113 @@ mod tests {
         assert!(RunConfig::from_args("tiny", ["--steps".to_string()]).is_err());
         assert!(RunConfig::from_args("tiny", ["steps".to_string()]).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_chosen_model_brings_its_context_length() {
+        let args = |a: &[&str]| {
+            RunConfig::from_args("train_gpt", a.iter().map(|s| s.to_string()))
+                .and_then(|c| c.validate().map(|()| c))
+        };
+        // train_gpt trains small_cpu (n_ctx 128) at 128; tiny has 64 positions
+        assert_eq!(args(&[]).unwrap().train.seq_len, 128);
+        let c = args(&["--preset", "tiny"]).unwrap();
+        assert_eq!((c.model.preset.as_str(), c.train.seq_len), ("tiny", 64));
+        // gpt3_small: 2048 positions (its vocabulary of 50257 does not split over tp = 2)
+        let c = args(&["--preset", "gpt3_small", "--tp", "1"]).unwrap();
+        assert_eq!(c.train.seq_len, 2048);
+        assert_eq!(args(&["--model.n_ctx", "96"]).unwrap().train.seq_len, 96);
+        // an explicit length wins, before or after the model
+        for a in [
+            ["--ctx", "32", "--preset", "tiny"],
+            ["--preset", "tiny", "--ctx", "32"],
+        ] {
+            assert_eq!(args(&a).unwrap().train.seq_len, 32, "{a:?}");
+        }
+        // and one that does not fit stays an error naming it
+        let e = args(&["--preset", "tiny", "--ctx", "128"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.ends_with("RunConfig.train.seq_len: must be in 1..=64 (the model's n_ctx), got 128"),
+            "{e}"
+        );
+        // an unknown preset is named by validate, not by the override
+        let e = args(&["--preset", "tiny2"]).unwrap_err().to_string();
+        assert!(
+            e.contains("RunConfig.model.preset") && e.contains("tiny2"),
+            "{e}"
+        );
+        // later flags that do not touch the model leave the length alone
+        let c = args(&["--preset", "tiny", "--steps", "7"]).unwrap();
+        assert_eq!((c.train.seq_len, c.train.steps), (64, 7));
+        // TOML: without train.seq_len, the model's context; with it, as given
+        let toml = |t: &str| RunConfig::from_toml_str(t).unwrap().train.seq_len;
+        assert_eq!(toml("[model]\npreset = \"small_cpu\"\n"), 128);
+        assert_eq!(toml("[model]\npreset = \"tiny\"\nn_ctx = 48\n"), 48);
+        assert_eq!(
+            toml("[model]\npreset = \"small_cpu\"\n[train]\nseq_len = 16\n"),
+            16
+        );
+        assert_eq!(toml("seed = 3\n"), RunConfig::default().train.seq_len);
+        // a file given by --config, then a model flag: the flag's model brings its length
+        let dir = std::env::temp_dir().join(format!("kiln-train-ctx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("run.toml");
+        std::fs::write(&file, "[model]\npreset = \"small_cpu\"\n").unwrap();
+        let c = args(&["--config", file.to_str().unwrap()]).unwrap();
+        assert_eq!(c.train.seq_len, 128);
+        let c = args(&["--config", file.to_str().unwrap(), "--preset", "tiny"]).unwrap();
+        assert_eq!(c.train.seq_len, 64);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_short_run_caps_its_warmup_and_says_so() {
+        for preset in RUN_PRESETS {
+            for steps in [1u64, 3, 5] {
+                let c =
+                    RunConfig::from_args(preset, ["--steps".into(), steps.to_string()]).unwrap();
+                c.validate().unwrap();
+                let warmup = c.optim.schedule.warmup_steps;
+                let notes = c.short_run_notes();
+                assert_eq!(notes.len(), usize::from(warmup > steps), "{preset} {steps}");
+                if warmup > steps {
+                    assert!(
+                        notes[0].contains(&format!("warmup_steps {warmup}"))
+                            && notes[0].contains(&format!("{steps} steps")),
+                        "{notes:?}"
+                    );
+                }
+                // a capped warmup rises linearly from 0 over the whole run:
+                // lr(s) = peak * s / steps for every step of it
+                if warmup > steps {
+                    let schedule = c.optim.schedule(steps).unwrap();
+                    let peak = c.optim.schedule.lr;
+                    for s in 0..steps {
+                        let want = (peak * s as f64 / steps as f64) as f32;
+                        assert_eq!(schedule.lr(s), want, "{preset}: step {s} of {steps}");
+                    }
+                }
+            }
+        }
+        // an explicit warmup longer than the run is capped the same way
+        let c = RunConfig::from_args("tiny", ["--steps", "4", "--warmup", "9"].map(String::from))
+            .unwrap();
+        c.validate().unwrap();
+        assert_eq!(
+            c.short_run_notes(),
+            [
+                "optim.schedule.warmup_steps 9 is longer than the run's 4 steps: warming up over \
+              all 4"
+            ]
+        );
+        // the configuration keeps the value given: the trajectory hash ignores the step count
+        let long =
+            RunConfig::from_args("tiny", ["--steps", "40", "--warmup", "9"].map(String::from))
+                .unwrap();
+        assert_eq!(c.optim, long.optim);
+        assert_eq!(c.trajectory_hash(), long.trajectory_hash());
     }
 
     #[test]

@@ -142,7 +142,19 @@ impl RunConfig {
     /// interchangeable. The value is parsed for the field's type (lists are comma-separated;
     /// lists of tables and sections as JSON; `none` empties an optional section). Setting
     /// `data.corpora` drops a mixture schedule written for other corpora unless
-    /// `data.mixture` is set too.
+    /// `data.mixture` is set too. Setting the model (`model.preset`, `model.n_ctx`) sets
+    /// `train.seq_len` to its context length unless `train.seq_len` is among the pairs too.
+    ///
+    /// ```
+    /// use kiln_train::RunConfig;
+    /// // the main job trains small_cpu at context 128; the tiny model has 64 positions
+    /// let mut cfg = RunConfig::preset("train_gpt")?;
+    /// cfg.apply_overrides(&[("preset", "tiny")])?;
+    /// assert_eq!(cfg.train.seq_len, 64);
+    /// cfg.apply_overrides(&[("preset", "small_cpu"), ("ctx", "32")])?;
+    /// assert_eq!(cfg.train.seq_len, 32);
+    /// # Ok::<(), kiln_train::TrainError>(())
+    /// ```
     pub fn apply_overrides<K: AsRef<str>, V: AsRef<str>>(
         &mut self,
         pairs: &[(K, V)],
@@ -209,6 +221,13 @@ impl RunConfig {
         {
             d.mixture = kiln_data::MixtureSchedule::default();
         }
+        // a model chosen here brings its context length, unless the sequence length is set
+        // here too (an unknown preset is left for `validate` to name)
+        if (set("model.preset") || set("model.n_ctx")) && !set("train.seq_len") {
+            if let Ok(model) = self.gpt_config() {
+                self.train.seq_len = model.n_ctx;
+            }
+        }
         Ok(())
     }
 
@@ -232,7 +251,10 @@ impl RunConfig {
             out.push_str(&format!("  --{short:<20} {field}\n"));
         }
         out.push_str(&format!(
-            "  --<section>.<field>    any field below\n\nthe preset {preset:?}:\n{}",
+            "  --<section>.<field>    any field below\n\n--preset picks the model ({}) and \
+             trains at its context length unless --ctx is given too; a run shorter than its \
+             warmup warms up over all its steps.\n\nthe preset {preset:?}:\n{}",
+            kiln_model::PRESET_NAMES.join(", "),
             RunConfig::preset(preset)?.to_toml_string()?
         ));
         Ok(out)

@@ -180,7 +180,9 @@ pub struct TrainSection {
     pub micro_batch: usize,
     /// Micro-batches accumulated per step.
     pub accumulation: usize,
-    /// Tokens per sample (at most the model's context).
+    /// Tokens per sample, at most the model's context. A TOML file without it, or flags that
+    /// choose the model (`--preset`, `--model.n_ctx`) without `--ctx`, take the model's
+    /// context length.
     pub seq_len: usize,
     /// Activation checkpointing: `none`, `every_block`, or `every_<k>` (every k-th block).
     pub activation_checkpointing: CheckpointPolicy,
@@ -480,8 +482,11 @@ pub struct MetricsSection {
     pub console: bool,
     /// Console line interval in steps.
     pub console_every: u64,
-    /// Peak FLOP/s of the whole machine, the denominator of MFU.
-    pub peak_flops_per_s: f64,
+    /// Peak FLOP/s of every device of the run together, the denominator of MFU. None (the
+    /// default): asked of the device in the compute dtype ([`crate::run_peak`]: a CPU's cores
+    /// x clock x vector units, a GPU's published dense peak by its name), and the basis is
+    /// printed at the start of the run.
+    pub peak_flops_per_s: Option<f64>,
     /// Steps between records of `param_norm` and `update_param_ratio`, as Megatron logs its
     /// parameter norm at the log interval: computed inside the update on the steps that are
     /// multiples of it (1: every step, 0: never). Each costs two exact square sums over the
@@ -498,7 +503,7 @@ impl Default for MetricsSection {
             png: true,
             console: true,
             console_every: 10,
-            peak_flops_per_s: 2e11,
+            peak_flops_per_s: None,
             update_norms_every: 10,
         }
     }

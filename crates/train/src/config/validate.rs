@@ -116,15 +116,7 @@ impl RunConfig {
                 ),
             );
         }
-        if sch.warmup_steps > t.steps {
-            return bad(
-                "optim.schedule.warmup_steps",
-                format!(
-                    "{} must not exceed train.steps ({})",
-                    sch.warmup_steps, t.steps
-                ),
-            );
-        }
+        // a warmup longer than the run is capped at it (see `short_run_notes`)
         if !(o.max_grad_norm.is_finite() && o.max_grad_norm >= 0.0) {
             return bad(
                 "optim.max_grad_norm",
@@ -258,11 +250,13 @@ impl RunConfig {
                 );
             }
         }
-        if !(self.metrics.peak_flops_per_s.is_finite() && self.metrics.peak_flops_per_s > 0.0) {
-            return bad(
-                "metrics.peak_flops_per_s",
-                format!("must be > 0, got {}", self.metrics.peak_flops_per_s),
-            );
+        if let Some(peak) = self.metrics.peak_flops_per_s {
+            if !(peak.is_finite() && peak > 0.0) {
+                return bad(
+                    "metrics.peak_flops_per_s",
+                    format!("must be finite and > 0 (or left out: the device's), got {peak}"),
+                );
+            }
         }
         let m = &self.monitor;
         if !(m.watchdog_s.is_finite() && m.watchdog_s >= 0.0) {
@@ -277,5 +271,37 @@ impl RunConfig {
                 .map_err(|e| TrainError::config("RunConfig.monitor.breaker", e.to_string()))?;
         }
         Ok(())
+    }
+
+    /// The step counts a run shorter than them shortens, one line each, for the trainer to
+    /// say once at the start (empty when none is). A warmup longer than the run
+    /// (`optim.schedule.warmup_steps > train.steps`) warms up over the whole run and never
+    /// decays, as torchtitan and Hugging Face's schedules do (torchtitan caps it with a
+    /// warning): the schedule caps it, the configuration keeps the value given, so the
+    /// trajectory hash and a longer resumed run see the same setting. Evaluation,
+    /// checkpoint, mixture and logging intervals past the last step need nothing: they are
+    /// not reached, and the end-of-run evaluation and final checkpoint still happen.
+    ///
+    /// ```
+    /// use kiln_train::RunConfig;
+    /// let cfg = RunConfig::from_args("train_gpt", ["--steps", "3"].map(String::from))?;
+    /// cfg.validate()?;
+    /// assert_eq!(
+    ///     cfg.short_run_notes(),
+    ///     ["optim.schedule.warmup_steps 20 is longer than the run's 3 steps: warming up over all 3"]
+    /// );
+    /// assert!(RunConfig::preset("train_gpt")?.short_run_notes().is_empty());
+    /// # Ok::<(), kiln_train::TrainError>(())
+    /// ```
+    pub fn short_run_notes(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        let (warmup, steps) = (self.optim.schedule.warmup_steps, self.train.steps);
+        if warmup > steps {
+            notes.push(format!(
+                "optim.schedule.warmup_steps {warmup} is longer than the run's {steps} steps: \
+                 warming up over all {steps}"
+            ));
+        }
+        notes
     }
 }

@@ -388,9 +388,32 @@ impl<M: TrainModel> TrainerBuilder<M> {
             None
         };
 
-        let mfu = model
-            .flops_per_token(cfg.train.seq_len)
-            .and_then(|f| Mfu::new(f, cfg.metrics.peak_flops_per_s).ok());
+        // MFU against the devices' peak, its basis said once; no figure without a known peak
+        let (mfu, mfu_peak) = match (
+            model.flops_per_token(cfg.train.seq_len),
+            crate::run_peak(&cfg, engine.device()),
+        ) {
+            (None, _) => (None, None),
+            (Some(flops), Ok(peak)) => match Mfu::new(flops, peak.flops_per_s) {
+                Ok(mfu) => {
+                    pending_events.push(Event::new(
+                        EventKind::Info,
+                        0,
+                        format!("mfu: model FLOPs per second over the {peak}"),
+                    ));
+                    (Some(mfu), Some(peak))
+                }
+                Err(_) => (None, None),
+            },
+            (Some(_), Err(why)) => {
+                pending_events.push(Event::new(
+                    EventKind::Info,
+                    0,
+                    format!("mfu not reported: {why}"),
+                ));
+                (None, None)
+            }
+        };
         let progress = TrainerProgress {
             run_hash: cfg.trajectory_hash(),
             ..TrainerProgress::default()
@@ -409,6 +432,10 @@ impl<M: TrainModel> TrainerBuilder<M> {
                     q.threshold
                 ),
             ));
+        }
+        // step counts the run is shorter than, said once
+        for note in cfg.short_run_notes() {
+            pending_events.push(Event::new(EventKind::Info, 0, note));
         }
         if let Some((micro, accumulation, budget)) = dynamic {
             pending_events.push(Event::new(
@@ -460,6 +487,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
             watchdog,
             progress,
             mfu,
+            mfu_peak,
             last_ckpt: None,
             losses: Vec::new(),
             val_losses: Vec::new(),

@@ -17,7 +17,7 @@ use kiln_comm::Communicator;
 use kiln_data::{DataLoader, DriftMonitor, LoaderConfig, QualityReport, TokenSource};
 use kiln_model::Gpt;
 use kiln_monitor::{
-    CircuitBreaker, DetectorSet, Event, EventKind, Mfu, MultiSink, StepMetrics, Watchdog,
+    CircuitBreaker, DetectorSet, Event, EventKind, Mfu, MultiSink, PeakFlops, StepMetrics, Watchdog,
 };
 use kiln_optim::LrSchedule;
 use kiln_parallel::{DataParallel, ParallelDims, StagedState};
@@ -104,6 +104,9 @@ pub struct TrainSummary {
     pub drift: Option<(f64, f64)>,
     /// Steps of this run at which the drift monitor's alert was raised.
     pub drift_alerts: u64,
+    /// The peak FLOP/s the `mfu` metric divides by, with its basis (none when no peak is
+    /// known: see [`crate::run_peak`]).
+    pub mfu_peak: Option<PeakFlops>,
 }
 
 /// One rank of a training run: the model, the data-parallel engine, the loss scaler, the
@@ -147,6 +150,7 @@ pub struct Trainer<M: TrainModel = Gpt> {
     progress: TrainerProgress,
     rng: RngState,
     mfu: Option<Mfu>,
+    mfu_peak: Option<PeakFlops>,
     last_ckpt: Option<u64>,
     losses: Vec<(u64, f32)>,
     val_losses: Vec<(u64, f64)>,
@@ -289,6 +293,7 @@ impl<M: TrainModel> Trainer<M> {
                 .collect(),
             drift: self.drift.as_ref().map(|m| (m.kl(), m.threshold())),
             drift_alerts: self.drift_alerts,
+            mfu_peak: self.mfu_peak,
         })
     }
 }
