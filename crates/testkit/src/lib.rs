@@ -1,5 +1,6 @@
 //! Test helpers shared by kiln's crates: run a closure on N ranks, compare float slices with a
-//! tolerance and report the worst element.
+//! tolerance and report the worst element, run Python as a reference with one rule for when a
+//! test may skip ([`python`]).
 //!
 //! ```
 //! use kiln_testkit::{assert_close, run_ranks};
@@ -14,6 +15,10 @@
 //! ```
 #![deny(missing_docs)]
 #![allow(clippy::panic)] // assertion helpers report failures by panicking, like assert_eq!
+
+pub mod python;
+
+pub use python::{under_ci, Python};
 
 use kiln_comm::{spawn_with, ThreadComm, ThreadCommConfig};
 use std::time::Duration;
@@ -252,7 +257,7 @@ pub fn mpirun_path() -> Option<std::path::PathBuf> {
             .find(|p| p.is_file())
     });
     if found.is_none() {
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
+        if under_ci() {
             panic!("mpirun not found on PATH under CI=true: .ci/run must install openmpi-bin");
         }
         println!("skipped: mpirun not found on PATH (install Open MPI: apt-get install openmpi-bin libopenmpi-dev)");
