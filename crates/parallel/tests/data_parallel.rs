@@ -281,6 +281,7 @@ fn data_parallel_equals_one_rank_on_the_whole_batch() {
         .unwrap();
         println!("dp={dp} vs 1 rank after {STEPS} steps: max relative difference {:e} (at {} : {} vs {})", max_rel_diff(&a, &b), w.index, w.actual, w.expected);
         kiln_testkit::assert_close(&a, &b, 1e-6, 1e-5);
+        assert_eq!(multi.losses.len(), single.losses.len());
         for (a, b) in multi.losses.iter().zip(&single.losses) {
             assert!((a - b).abs() <= 1e-5 * b.abs(), "loss {a} vs {b}");
         }

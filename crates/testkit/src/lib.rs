@@ -67,8 +67,15 @@ pub struct WorstDiff {
 
 /// Finds the element where `actual` and `expected` differ most relative to the tolerance
 /// `atol + rtol * |expected|`; `None` for empty slices. NaN anywhere counts as infinitely far
-/// unless both sides are NaN.
+/// unless both sides are NaN. Panics when the lengths differ.
 pub fn worst_diff(actual: &[f64], expected: &[f64], atol: f64, rtol: f64) -> Option<WorstDiff> {
+    assert_eq!(
+        actual.len(),
+        expected.len(),
+        "length differs: actual {} vs expected {}",
+        actual.len(),
+        expected.len()
+    );
     let mut worst: Option<(f64, WorstDiff)> = None;
     for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
         let abs = if a.is_nan() && e.is_nan() || a == e {
@@ -150,7 +157,15 @@ pub fn assert_bitwise_eq(actual: &[f32], expected: &[f32]) {
 }
 
 /// The maximum relative difference `|a - e| / max(|e|, 1e-30)` over two slices (for reports).
+/// Panics when the lengths differ.
 pub fn max_rel_diff(actual: &[f32], expected: &[f32]) -> f64 {
+    assert_eq!(
+        actual.len(),
+        expected.len(),
+        "length differs: actual {} vs expected {}",
+        actual.len(),
+        expected.len()
+    );
     actual
         .iter()
         .zip(expected)
