@@ -50,6 +50,14 @@ where
     spawn_with(ThreadCommConfig::with_timeout(timeout), world, f)
 }
 
+/// Panics, naming both, when two slices compared element by element differ in length.
+fn assert_same_len(actual: usize, expected: usize) {
+    assert_eq!(
+        actual, expected,
+        "length differs: actual {actual} vs expected {expected}"
+    );
+}
+
 /// The largest difference between two slices.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorstDiff {
@@ -69,13 +77,7 @@ pub struct WorstDiff {
 /// `atol + rtol * |expected|`; `None` for empty slices. NaN anywhere counts as infinitely far
 /// unless both sides are NaN. Panics when the lengths differ.
 pub fn worst_diff(actual: &[f64], expected: &[f64], atol: f64, rtol: f64) -> Option<WorstDiff> {
-    assert_eq!(
-        actual.len(),
-        expected.len(),
-        "length differs: actual {} vs expected {}",
-        actual.len(),
-        expected.len()
-    );
+    assert_same_len(actual.len(), expected.len());
     let mut worst: Option<(f64, WorstDiff)> = None;
     for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
         let abs = if a.is_nan() && e.is_nan() || a == e {
@@ -109,13 +111,7 @@ pub fn assert_close<A: Copy + Into<f64>, B: Copy + Into<f64>>(
     atol: f64,
     rtol: f64,
 ) {
-    assert_eq!(
-        actual.len(),
-        expected.len(),
-        "length differs: actual {} vs expected {}",
-        actual.len(),
-        expected.len()
-    );
+    assert_same_len(actual.len(), expected.len());
     let a: Vec<f64> = actual.iter().map(|&x| x.into()).collect();
     let e: Vec<f64> = expected.iter().map(|&x| x.into()).collect();
     if let Some(w) = worst_diff(&a, &e, atol, rtol) {
@@ -136,13 +132,7 @@ pub fn assert_close<A: Copy + Into<f64>, B: Copy + Into<f64>>(
 
 /// Asserts two f32 slices are bitwise identical, reporting the first differing element.
 pub fn assert_bitwise_eq(actual: &[f32], expected: &[f32]) {
-    assert_eq!(
-        actual.len(),
-        expected.len(),
-        "length differs: actual {} vs expected {}",
-        actual.len(),
-        expected.len()
-    );
+    assert_same_len(actual.len(), expected.len());
     if let Some((i, (a, e))) = actual
         .iter()
         .zip(expected)
@@ -159,13 +149,7 @@ pub fn assert_bitwise_eq(actual: &[f32], expected: &[f32]) {
 /// The maximum relative difference `|a - e| / max(|e|, 1e-30)` over two slices (for reports).
 /// Panics when the lengths differ.
 pub fn max_rel_diff(actual: &[f32], expected: &[f32]) -> f64 {
-    assert_eq!(
-        actual.len(),
-        expected.len(),
-        "length differs: actual {} vs expected {}",
-        actual.len(),
-        expected.len()
-    );
+    assert_same_len(actual.len(), expected.len());
     actual
         .iter()
         .zip(expected)
