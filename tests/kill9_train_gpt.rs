@@ -8,7 +8,8 @@
 //! no hook in the trainer) sees the point, and relaunched with `--resume`:
 //! - (a) inside a step between checkpoints: the console line of step `m` on stderr;
 //! - (b) inside a synchronous checkpoint write: as soon as `step-XXXXXXXX.tmp` appears;
-//! - (c) inside an asynchronous save: the same, with `--checkpoint.async_save true`;
+//! - (c) inside an asynchronous save (`--checkpoint.async_save true`): as soon as a checkpoint
+//!   step's `.tmp` folder is there while the console already shows that step;
 //! - (d) right after a commit: as soon as the committed `step-XXXXXXXX` folder appears.
 //!
 //! After each kill the test reads where it really landed from what the dead process left (the
@@ -24,8 +25,9 @@
 //! - (d): the step committed, no `.tmp` folder and no later checkpoint, and the last step line
 //!   before the next checkpoint step.
 //!
-//! A kill can land late when the machine is busy, so (b) and (c) try again when one misses
-//! (at most `TRIES` times each) and must land inside in most tries (b) or once (c). Then the test
+//! A kill can land late when the machine is busy: (b) makes `SYNC_TRIES` tries (two more while
+//! fewer than `SYNC_MUST_LAND` landed) and needs `SYNC_MUST_LAND` inside; (c) tries again after
+//! a miss, at most `ASYNC_TRIES` times, and needs one inside. After each kill the test then
 //! checks that the relaunch resumed from the newest committed checkpoint at the moment of the
 //! kill (never from the `.tmp`), that every committed checkpoint of the run equals the
 //! reference's file for file, byte for byte, and that every step record in `metrics.jsonl` has
