@@ -7,8 +7,8 @@
 //! from the checkpoint and from the export.
 //!
 //! Needs the `train_gpt`, `export_hf` and `sample` examples (`cargo test --workspace
-//! --release` builds them) and python3 with numpy (CI installs it; elsewhere the numpy part is
-//! skipped with a message).
+//! --release` builds them) and python3 with numpy (CI installs it, and its absence fails under
+//! `CI=true`; elsewhere the numpy part is skipped with a message).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -110,21 +110,20 @@ fn the_main_jobs_export_is_gpt2_to_numpy() {
         .unwrap()
         .to_vec1()
         .unwrap();
-    let has_numpy = std::process::Command::new("python3")
-        .args(["-c", "import numpy"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if has_numpy {
+    if let Some(python) = kiln_testkit::Python::require("the numpy GPT-2 reference", &["numpy"]) {
         let file = root.join("numpy_logits.f32");
         let list: Vec<String> = ids.iter().map(u32::to_string).collect();
-        let py = std::process::Command::new("python3")
-            .arg(common::process::repo().join("scripts/gpt2_numpy_forward.py"))
-            .arg(&export)
-            .arg(list.join(","))
-            .arg(&file)
-            .output()
-            .unwrap();
-        run_ok("gpt2_numpy_forward.py", py);
+        python.run(
+            "scripts/gpt2_numpy_forward.py",
+            [
+                common::process::repo()
+                    .join("scripts/gpt2_numpy_forward.py")
+                    .as_os_str(),
+                export.as_os_str(),
+                std::ffi::OsStr::new(&list.join(",")),
+                file.as_os_str(),
+            ],
+        );
         let reference: Vec<f32> = std::fs::read(&file)
             .unwrap()
             .chunks_exact(4)
@@ -141,12 +140,6 @@ fn the_main_jobs_export_is_gpt2_to_numpy() {
             logits.len()
         );
         assert!(worst <= 1e-5, "logits differ by {worst:e}");
-    } else {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI installs numpy, but python3 cannot import it"
-        );
-        println!("skipped the numpy reference: python3 with numpy is not available");
     }
 
     // the same greedy continuation from the checkpoint and from its export

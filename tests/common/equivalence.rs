@@ -3,17 +3,20 @@
 //! GPT under a strategy and checks its own shard against the reference it computes itself:
 //!
 //! - tensor parallel (tp = 2, 4, with and without sequence parallelism) against tp = 1:
-//!   parameters after 5 AdamW steps and every loss within 1e-5;
+//!   parameters after 5 AdamW steps within 1e-5 of each tensor's largest magnitude, every loss
+//!   within 1e-5 of the reference loss;
 //! - ZeRO stages 1, 2 and 3 at dp = 2 against plain data parallel at dp = 2: bitwise;
 //! - dp = 2 x tp = 2 with ZeRO-1 and fp16 loss scaling, with and without sequence parallelism,
 //!   against one rank: the loss after 30 steps within 1%;
 //! - at that layout with sequence parallelism, selective and full activation recomputation
 //!   against none: parameters after 3 steps and the losses bitwise;
 //! - DPO of LoRA adapters (kiln-tune) at dp = 2 x tp = 2 with ZeRO-1 against one rank: the
-//!   adapters after 4 steps and every loss within 1e-5;
+//!   adapters after 4 steps and every loss within 1e-5, relative as above;
 //! - int8 quantization-aware training at dp = 2 x tp = 2 against one rank: with fake-quantized
-//!   weights the parameters after 3 steps within 1e-5; with inputs too, the observers within
-//!   1e-4 and the losses within 1e-3.
+//!   weights the parameters after 3 steps within 1e-5, relative as above; with inputs too, the
+//!   observers within 1e-4 and the losses within 1e-3, relative.
+//!
+//! Every pair of lists compared has its lengths checked first.
 //!
 //! A case needing fewer ranks than the world runs on the first ranks (a `split`); the others sit
 //! it out. Every rank returns an error naming the case and what differed.
@@ -259,12 +262,80 @@ fn shard_of(
     Ok(out)
 }
 
-fn worst_rel(a: &[f32], b: &[f32], atol: f32) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / (atol + y.abs()))
-        .fold(0.0, f32::max)
+/// `a` and `b` side by side, once they are known to have the same length (`what` names the
+/// lists in the error).
+fn zip_eq<'a, A, B>(
+    what: &str,
+    a: &'a [A],
+    b: &'a [B],
+) -> anyhow::Result<std::iter::Zip<std::slice::Iter<'a, A>, std::slice::Iter<'a, B>>> {
+    anyhow::ensure!(
+        a.len() == b.len(),
+        "{what}: {} entries against {} expected",
+        a.len(),
+        b.len()
+    );
+    Ok(a.iter().zip(b))
 }
+
+/// The largest difference between a tensor `got` and its reference `want`, relative to the
+/// reference's largest magnitude: `max |got - want| / max |want|` (an element-wise relative
+/// difference means nothing for weights that pass through zero). An error when the lengths
+/// differ or the reference is all zeros.
+fn rel_diff(what: &str, got: &[f32], want: &[f32]) -> anyhow::Result<f32> {
+    let mut diff = 0.0f32;
+    for (a, b) in zip_eq(what, got, want)? {
+        // a NaN on either side is as far as it gets
+        let d = (a - b).abs();
+        diff = if d.is_nan() {
+            f32::INFINITY
+        } else {
+            diff.max(d)
+        };
+    }
+    let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    anyhow::ensure!(scale > 0.0, "{what}: the reference is all zeros");
+    Ok(diff / scale)
+}
+
+/// Each loss of `got` within `rel` of the same step's loss in `want`, relative to it.
+fn losses_within(what: &str, got: &[f32], want: &[f32], rel: f32) -> anyhow::Result<()> {
+    for (s, (a, b)) in zip_eq(&format!("{what}: losses"), got, want)?.enumerate() {
+        anyhow::ensure!(
+            (a - b).abs() <= rel * b.abs(),
+            "{what}: loss of step {s}: {a} vs {b} (relative bound {rel:e})"
+        );
+    }
+    Ok(())
+}
+
+/// Bitwise-equal parameter lists (names, lengths and every value).
+fn params_bitwise(
+    what: &str,
+    got: &[(String, Vec<f32>)],
+    want: &[(String, Vec<f32>)],
+) -> anyhow::Result<()> {
+    for ((n, a), (wn, b)) in zip_eq(&format!("{what}: parameters"), got, want)? {
+        anyhow::ensure!(n == wn, "{what}: parameter order {n} vs {wn}");
+        anyhow::ensure!(
+            a.len() == b.len(),
+            "{what}: {n} has {} values against {}",
+            a.len(),
+            b.len()
+        );
+        if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+            anyhow::bail!(
+                "{what}: {n} is not bitwise equal: element {i} is {:e} against {:e}",
+                a[i],
+                b[i]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The bound on parameters after a few steps, relative to each tensor's largest magnitude.
+const PARAM_REL: f32 = 1e-5;
 
 /// Runs `f` on the first `need` ranks of `world` (a sub-group); the others return `None`.
 /// Collective over `world`.
@@ -308,24 +379,21 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
             let tp_rank = sub.rank();
             let (params, losses) = train_rank(sub, &small, 1, tp, tp_cfg, false, sp, 5)?;
             let want = shard_of(&small, &ref_params, tp, tp_rank)?;
+            let case = format!("tp={tp}{what} rank {tp_rank}");
             let mut worst = 0.0f32;
-            for ((n, got), (wn, w)) in params.iter().zip(&want) {
-                anyhow::ensure!(n == wn, "tp={tp}{what}: parameter order {n} vs {wn}");
-                let d = worst_rel(got, w, 1.0);
+            for ((n, got), (wn, w)) in zip_eq(&case, &params, &want)? {
+                anyhow::ensure!(n == wn, "{case}: parameter order {n} vs {wn}");
+                let d = rel_diff(&format!("{case}: {n}"), got, w)?;
                 anyhow::ensure!(
-                    d <= 1e-5,
-                    "tp={tp}{what} rank {tp_rank}: {n} differs by {d:e} (1e-5)"
+                    d <= PARAM_REL,
+                    "{case}: {n} differs by {d:e} of its largest magnitude (bound {PARAM_REL:e})"
                 );
                 worst = worst.max(d);
             }
-            for (s, (a, b)) in losses.iter().zip(&ref_losses).enumerate() {
-                anyhow::ensure!(
-                    (a - b).abs() <= 1e-5 * b.abs(),
-                    "tp={tp}{what}: loss of step {s}: {a} vs {b}"
-                );
-            }
+            losses_within(&case, &losses, &ref_losses, 1e-5)?;
             Ok(format!(
-                "tp={tp}{what} equals tp=1 after 5 steps (worst {worst:.1e})"
+                "tp={tp}{what} equals tp=1 after 5 steps (worst parameter {worst:.1e} of its \
+                 largest magnitude)"
             ))
         })? {
             done.push(msg);
@@ -351,11 +419,11 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
                 3,
             )?;
             anyhow::ensure!(lz == lp, "{stage:?}: losses {lz:?} vs plain {lp:?}");
-            for ((n, a), (_, b)) in z.iter().zip(&plain) {
-                let same =
-                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                anyhow::ensure!(same, "{stage:?}: {n} is not bitwise plain data parallel's");
-            }
+            params_bitwise(
+                &format!("{stage:?} against plain data parallel"),
+                &z,
+                &plain,
+            )?;
         }
         Ok("ZeRO-1/2/3 at dp=2 equal plain data parallel bitwise".to_string())
     })? {
@@ -377,6 +445,12 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         let what = if sp { " sequence-parallel" } else { "" };
         if let Some(msg) = on_first(&*world, 4, |sub| {
             let (_, grid) = train_rank(sub, &tiny, 2, 2, dpc, true, sp, steps)?;
+            anyhow::ensure!(
+                grid.len() == steps && single.len() == steps,
+                "dp2 x tp2{what} fp16: {} and {} losses for {steps} steps",
+                grid.len(),
+                single.len()
+            );
             let (a, b) = (grid[steps - 1], single[steps - 1]);
             anyhow::ensure!(
                 (a - b).abs() <= 0.01 * b,
@@ -400,14 +474,7 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
                 l == lp,
                 "{policy}: losses {l:?} vs {lp:?} without checkpointing"
             );
-            for ((n, a), (_, b)) in p.iter().zip(&plain) {
-                let same =
-                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-                anyhow::ensure!(
-                    same,
-                    "{policy}: {n} is not bitwise the run without checkpointing"
-                );
-            }
+            params_bitwise(&format!("{policy} against no recomputation"), &p, &plain)?;
         }
         Ok(
             "dp=2 x tp=2 sequence-parallel ZeRO-1 fp16: selective and full recomputation \
@@ -445,30 +512,36 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
             },
             None,
         )?;
-        let shapes: HashMap<String, (Vec<usize>, kiln_parallel::tp::TpSplit)> = dense_lora
-            .parameters()
-            .into_iter()
-            .zip(dense_lora.param_splits())
-            .map(|((n, v), (_, s))| (n, (v.dims().to_vec(), s)))
-            .collect();
+        let case = format!("LoRA DPO dp2 x tp2 tp rank {tp_rank}");
+        let (dense_params, dense_splits) = (dense_lora.parameters(), dense_lora.param_splits());
+        let mut shapes: HashMap<String, (Vec<usize>, kiln_parallel::tp::TpSplit)> = HashMap::new();
+        for ((n, v), (sn, s)) in zip_eq(&case, &dense_params, &dense_splits)? {
+            anyhow::ensure!(n == sn, "{case}: the dense adapters' splits: {n} vs {sn}");
+            shapes.insert(n.clone(), (v.dims().to_vec(), *s));
+        }
+        anyhow::ensure!(
+            shapes.len() == ref_params.len(),
+            "{case}: {} adapters in the dense model, {} in the run",
+            shapes.len(),
+            ref_params.len()
+        );
         let mut worst = 0.0f32;
-        for ((n, got), (wn, w)) in params.iter().zip(ref_params) {
-            anyhow::ensure!(n == wn, "LoRA DPO: parameter order {n} vs {wn}");
+        for ((n, got), (wn, w)) in zip_eq(&case, &params, ref_params)? {
+            anyhow::ensure!(n == wn, "{case}: parameter order {n} vs {wn}");
             let (dims, split) = &shapes[n];
             let whole = Tensor::from_vec(w.clone(), dims.as_slice(), &Device::Cpu)?;
             let want = flat(&split.shard(&whole, 2, tp_rank)?);
-            let d = worst_rel(got, &want, 1.0);
-            anyhow::ensure!(d <= 1e-5, "LoRA DPO dp2 x tp2: {n} differs by {d:e} (1e-5)");
+            let d = rel_diff(&format!("{case}: {n}"), got, &want)?;
+            anyhow::ensure!(
+                d <= PARAM_REL,
+                "{case}: {n} differs by {d:e} of its largest magnitude (bound {PARAM_REL:e})"
+            );
             worst = worst.max(d);
         }
-        for (s, (a, b)) in losses.iter().zip(ref_losses).enumerate() {
-            anyhow::ensure!(
-                (a - b).abs() <= 1e-5 * b.abs(),
-                "LoRA DPO: loss of step {s}: {a} vs {b}"
-            );
-        }
+        losses_within(&case, &losses, ref_losses, 1e-5)?;
         Ok(format!(
-            "DPO of LoRA adapters at dp=2 x tp=2 ZeRO-1 equals one rank after 4 steps (worst {worst:.1e}, losses {losses:?})"
+            "DPO of LoRA adapters at dp=2 x tp=2 ZeRO-1 equals one rank after 4 steps (worst \
+             adapter {worst:.1e} of its largest magnitude, losses {losses:?})"
         ))
     })? {
         done.push(msg);
@@ -494,32 +567,31 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         let ((params, losses), _) = train_qat_rank(sub.clone(), 2, 2, false)?;
         let ((ref_params, ref_losses), _) = &qat_ref[0];
         let want = shard_of(&GptConfig::tiny(), ref_params, 2, tp_rank)?;
+        let case = format!("QAT W8A32 dp2 x tp2 tp rank {tp_rank}");
         let mut worst = 0.0f32;
-        for ((n, got), (_, w)) in params.iter().zip(&want) {
-            let d = worst_rel(got, w, 1.0);
+        for ((n, got), (wn, w)) in zip_eq(&case, &params, &want)? {
+            anyhow::ensure!(n == wn, "{case}: parameter order {n} vs {wn}");
+            let d = rel_diff(&format!("{case}: {n}"), got, w)?;
             anyhow::ensure!(
-                d <= 1e-5,
-                "QAT W8A32 dp2 x tp2: {n} differs by {d:e} (1e-5)"
+                d <= PARAM_REL,
+                "{case}: {n} differs by {d:e} of its largest magnitude (bound {PARAM_REL:e})"
             );
             worst = worst.max(d);
         }
-        for (a, b) in losses.iter().zip(ref_losses) {
-            anyhow::ensure!((a - b).abs() <= 1e-5 * b.abs(), "QAT W8A32 loss {a} vs {b}");
-        }
+        losses_within(&case, &losses, ref_losses, 1e-5)?;
         // inputs too: every rank's observers take the global batch's range, as one rank's do
         let ((_, losses8), ranges) = train_qat_rank(sub, 2, 2, true)?;
         let ((_, ref8), ref_ranges) = &qat_ref[1];
-        for (i, (a, b)) in ranges.iter().zip(ref_ranges).enumerate() {
+        for (i, (a, b)) in zip_eq("QAT W8A8 observers", &ranges, ref_ranges)?.enumerate() {
             anyhow::ensure!(
-                (a - b).abs() <= 1e-4 * b,
-                "QAT W8A8 observer {i}: {a} vs {b}"
+                (a - b).abs() <= 1e-4 * b.abs(),
+                "QAT W8A8 observer {i}: {a} vs {b} (relative bound 1e-4)"
             );
         }
-        for (a, b) in losses8.iter().zip(ref8) {
-            anyhow::ensure!((a - b).abs() <= 1e-3 * b.abs(), "QAT W8A8 loss {a} vs {b}");
-        }
+        losses_within("QAT W8A8", &losses8, ref8, 1e-3)?;
         Ok(format!(
-            "QAT at dp=2 x tp=2: W8A32 equals one rank after 3 steps (worst {worst:.1e}); W8A8 observers within 1e-4 and losses within 1e-3"
+            "QAT at dp=2 x tp=2: W8A32 equals one rank after 3 steps (worst parameter {worst:.1e} \
+             of its largest magnitude); W8A8 observers within 1e-4 and losses within 1e-3, relative"
         ))
     })? {
         done.push(msg);

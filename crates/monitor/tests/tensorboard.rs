@@ -1,14 +1,13 @@
 //! TensorBoard read-back: write an event file, read it with TensorBoard's own
 //! `EventAccumulator` (Python) and with a TFRecord reader here, and compare values and steps.
 //!
-//! The Python half needs `pip install tensorboard`; without it the test prints why it skips
-//! that half.
+//! The Python half needs `pip install tensorboard`; where `python3` or the module is missing
+//! it prints why it skips, except under `CI=true` (`.ci/run` installs it), where that fails.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use kiln_monitor::{masked_crc32c, Event, EventKind, MetricSink, StepMetrics, TensorBoardSink};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn temp_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kiln-monitor-{name}-{}", std::process::id()));
@@ -101,39 +100,19 @@ print(json.dumps(out))
 
 #[test]
 fn tensorboard_reads_the_scalars_back() {
-    let probe = Command::new("python3")
-        .args(["-c", "import tensorboard"])
-        .output();
-    match probe {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => {
-            println!(
-                "SKIP tensorboard_reads_the_scalars_back: `import tensorboard` failed ({}); \
-                 install it with `pip install tensorboard`",
-                String::from_utf8_lossy(&o.stderr)
-                    .lines()
-                    .last()
-                    .unwrap_or("")
-            );
-            return;
-        }
-        Err(e) => {
-            println!("SKIP tensorboard_reads_the_scalars_back: python3 not runnable: {e}");
-            return;
-        }
-    }
+    let Some(python) = kiln_testkit::Python::require(
+        "tensorboard_reads_the_scalars_back",
+        &["tensorboard.backend.event_processing.event_accumulator"],
+    ) else {
+        return;
+    };
     let dir = temp_dir("tb-read");
     let (path, expected) = write_run(&dir);
-    let out = Command::new("python3")
-        .args(["-c", READER, path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "python reader failed: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = python.run(
+        "TensorBoard's EventAccumulator",
+        ["-c", READER, path.to_str().unwrap()],
     );
-    let got: BTreeMap<String, Vec<(u64, f64, f64)>> = serde_json::from_slice(&out.stdout).unwrap();
+    let got: BTreeMap<String, Vec<(u64, f64, f64)>> = serde_json::from_str(&out).unwrap();
     assert_eq!(
         got.keys().collect::<Vec<_>>(),
         expected.keys().collect::<Vec<_>>(),

@@ -1,5 +1,6 @@
 //! Test helpers shared by kiln's crates: run a closure on N ranks, compare float slices with a
-//! tolerance and report the worst element.
+//! tolerance and report the worst element, run Python as a reference with one rule for when a
+//! test may skip ([`python`]).
 //!
 //! ```
 //! use kiln_testkit::{assert_close, run_ranks};
@@ -14,6 +15,10 @@
 //! ```
 #![deny(missing_docs)]
 #![allow(clippy::panic)] // assertion helpers report failures by panicking, like assert_eq!
+
+pub mod python;
+
+pub use python::{under_ci, Python};
 
 use kiln_comm::{spawn_with, ThreadComm, ThreadCommConfig};
 use std::time::Duration;
@@ -45,6 +50,14 @@ where
     spawn_with(ThreadCommConfig::with_timeout(timeout), world, f)
 }
 
+/// Panics, naming both, when two slices compared element by element differ in length.
+fn assert_same_len(actual: usize, expected: usize) {
+    assert_eq!(
+        actual, expected,
+        "length differs: actual {actual} vs expected {expected}"
+    );
+}
+
 /// The largest difference between two slices.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorstDiff {
@@ -62,8 +75,9 @@ pub struct WorstDiff {
 
 /// Finds the element where `actual` and `expected` differ most relative to the tolerance
 /// `atol + rtol * |expected|`; `None` for empty slices. NaN anywhere counts as infinitely far
-/// unless both sides are NaN.
+/// unless both sides are NaN. Panics when the lengths differ.
 pub fn worst_diff(actual: &[f64], expected: &[f64], atol: f64, rtol: f64) -> Option<WorstDiff> {
+    assert_same_len(actual.len(), expected.len());
     let mut worst: Option<(f64, WorstDiff)> = None;
     for (i, (&a, &e)) in actual.iter().zip(expected).enumerate() {
         let abs = if a.is_nan() && e.is_nan() || a == e {
@@ -97,13 +111,7 @@ pub fn assert_close<A: Copy + Into<f64>, B: Copy + Into<f64>>(
     atol: f64,
     rtol: f64,
 ) {
-    assert_eq!(
-        actual.len(),
-        expected.len(),
-        "length differs: actual {} vs expected {}",
-        actual.len(),
-        expected.len()
-    );
+    assert_same_len(actual.len(), expected.len());
     let a: Vec<f64> = actual.iter().map(|&x| x.into()).collect();
     let e: Vec<f64> = expected.iter().map(|&x| x.into()).collect();
     if let Some(w) = worst_diff(&a, &e, atol, rtol) {
@@ -124,13 +132,7 @@ pub fn assert_close<A: Copy + Into<f64>, B: Copy + Into<f64>>(
 
 /// Asserts two f32 slices are bitwise identical, reporting the first differing element.
 pub fn assert_bitwise_eq(actual: &[f32], expected: &[f32]) {
-    assert_eq!(
-        actual.len(),
-        expected.len(),
-        "length differs: actual {} vs expected {}",
-        actual.len(),
-        expected.len()
-    );
+    assert_same_len(actual.len(), expected.len());
     if let Some((i, (a, e))) = actual
         .iter()
         .zip(expected)
@@ -145,7 +147,9 @@ pub fn assert_bitwise_eq(actual: &[f32], expected: &[f32]) {
 }
 
 /// The maximum relative difference `|a - e| / max(|e|, 1e-30)` over two slices (for reports).
+/// Panics when the lengths differ.
 pub fn max_rel_diff(actual: &[f32], expected: &[f32]) -> f64 {
+    assert_same_len(actual.len(), expected.len());
     actual
         .iter()
         .zip(expected)
@@ -252,7 +256,7 @@ pub fn mpirun_path() -> Option<std::path::PathBuf> {
             .find(|p| p.is_file())
     });
     if found.is_none() {
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
+        if under_ci() {
             panic!("mpirun not found on PATH under CI=true: .ci/run must install openmpi-bin");
         }
         println!("skipped: mpirun not found on PATH (install Open MPI: apt-get install openmpi-bin libopenmpi-dev)");

@@ -172,6 +172,7 @@ fn a_dp2_zero2_checkpoint_continues_at_dp1_and_dp4() {
         assert_eq!(got.len(), want.len());
         let mut worst = 0.0f64;
         for (name, w) in &want {
+            assert_eq!(got[name].len(), w.len(), "{name}: length");
             for (x, y) in got[name].iter().zip(w) {
                 worst = worst.max((*x as f64 - *y as f64).abs());
             }

@@ -163,6 +163,11 @@ fn mixture_schedule_and_drift_are_live_and_resume_bitwise() {
     assert_params_bitwise(&params, &params3);
     assert_eq!(&full.losses[16..], &resumed.losses[..]);
     assert_eq!(resumed.source_samples, full.source_samples);
+    assert_eq!(
+        recs[16..].len(),
+        recs3.len(),
+        "step records after the resume"
+    );
     for (a, b) in recs[16..].iter().zip(&recs3) {
         for key in ["drift_kl", "mix/plays", "mix/novels"] {
             assert_eq!(

@@ -13,9 +13,10 @@ use candle_core::{Device, Tensor};
 use common::{test_dir, tiny_config};
 use kiln_model::{generate, hf, Gpt, GptOptions, Sampling};
 use kiln_state::TensorData;
+use kiln_testkit::Python;
 use kiln_train::{run_threads_with, Pretrained, RunConfig, Trainer};
+use std::ffi::OsStr;
 use std::path::Path;
-use std::process::Command;
 
 type Params = Vec<(String, Vec<f32>)>;
 
@@ -120,29 +121,19 @@ fn model_of(p: &Pretrained) -> Gpt {
 /// The numpy reference's logits for `ids`, or None (with the reason printed) where python3
 /// lacks numpy outside CI.
 fn numpy_logits(dir: &Path, ids: &[u32]) -> Option<Vec<f32>> {
+    let python = Python::require("the numpy GPT-2 reference", &["numpy"])?;
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/gpt2_numpy_forward.py");
-    let has_numpy = Command::new("python3")
-        .args(["-c", "import numpy"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_numpy {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI installs numpy (pip install numpy), but python3 cannot import it"
-        );
-        println!("skipped the numpy reference: python3 with numpy is not available");
-        return None;
-    }
     let out = dir.join("numpy_logits.f32");
     let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
-    let st = Command::new("python3")
-        .arg(&script)
-        .arg(dir)
-        .arg(ids.join(","))
-        .arg(&out)
-        .status()
-        .unwrap();
-    assert!(st.success(), "{} failed", script.display());
+    python.run(
+        "scripts/gpt2_numpy_forward.py",
+        [
+            script.as_os_str(),
+            dir.as_os_str(),
+            OsStr::new(&ids.join(",")),
+            out.as_os_str(),
+        ],
+    );
     let bytes = std::fs::read(&out).unwrap();
     Some(
         bytes
@@ -155,30 +146,20 @@ fn numpy_logits(dir: &Path, ids: &[u32]) -> Option<Vec<f32>> {
 /// Python's `tokenizers` encoding of `text` with `dir/tokenizer.json`, or None (with the
 /// reason printed) where python3 lacks `tokenizers` outside CI.
 fn python_tokenizer_ids(dir: &Path, text: &str) -> Option<Vec<u32>> {
+    let python = Python::require("the Python tokenizers check", &["tokenizers"])?;
     let script = "import sys\nfrom tokenizers import Tokenizer\n\
                   t = Tokenizer.from_file(sys.argv[1])\n\
                   print(','.join(map(str, t.encode(sys.argv[2]).ids)))";
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .arg(dir.join("tokenizer.json"))
-        .arg(text)
-        .output()
-        .unwrap();
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !(err.contains("No module named") && std::env::var("CI").as_deref() == Ok("true")),
-            "CI installs tokenizers (pip install tokenizers), but python3 cannot import it"
-        );
-        assert!(
-            err.contains("No module named"),
-            "python tokenizers failed: {err}"
-        );
-        println!("skipped the Python tokenizers check: {}", err.trim());
-        return None;
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    Some(text.trim().split(',').map(|s| s.parse().unwrap()).collect())
+    let out = python.run(
+        "tokenizers' Tokenizer.encode",
+        [
+            OsStr::new("-c"),
+            OsStr::new(script),
+            dir.join("tokenizer.json").as_os_str(),
+            OsStr::new(text),
+        ],
+    );
+    Some(out.trim().split(',').map(|s| s.parse().unwrap()).collect())
 }
 
 #[test]
@@ -372,14 +353,16 @@ fn numpy_gpt2_matches_small_cpu_at_full_context() {
 /// and passes.
 #[test]
 fn transformers_reads_the_export_and_writes_an_importable_gpt2() {
-    let python = std::env::var("KILN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&python)
-        .args(["-c", "import torch, transformers"])
-        .output();
-    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
-        println!("skipped: {python} cannot import torch and transformers (set KILN_HF_PYTHON to a Python that can)");
+    let program = std::env::var("KILN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
+    // not installed by CI (PyTorch is gigabytes): missing, the test skips there too
+    let Some(python) = Python::optional(
+        &program,
+        "transformers_reads_the_export_and_writes_an_importable_gpt2 (set KILN_HF_PYTHON to a \
+         Python that has them)",
+        &["numpy", "torch", "transformers"],
+    ) else {
         return;
-    }
+    };
     let root = test_dir("pretrained-transformers");
     const SCRIPT: &str = r#"
 import sys, json, warnings
@@ -404,18 +387,16 @@ print(json.dumps({k: sorted(map(str, info[k])) for k in ("missing_keys", "unexpe
     let run = |mode: &str, dir: &Path, ids: &[u32]| -> Vec<f32> {
         let file = root.join(format!("{mode}.f32"));
         let list: Vec<String> = ids.iter().map(u32::to_string).collect();
-        let out = Command::new(&python)
-            .args(["-c", SCRIPT, mode])
-            .arg(dir)
-            .arg(list.join(","))
-            .arg(&file)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "transformers ({mode}) failed: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let stdout = python.run(
+            &format!("transformers ({mode})"),
+            [
+                OsStr::new("-c"),
+                OsStr::new(SCRIPT),
+                OsStr::new(mode),
+                dir.as_os_str(),
+                OsStr::new(&list.join(",")),
+                file.as_os_str(),
+            ],
         );
         let clean = r#"{"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}"#;
         assert!(

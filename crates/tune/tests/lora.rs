@@ -55,6 +55,7 @@ fn at_initialisation_the_adapted_model_is_its_base_bitwise() {
     let (x, _) = batch(2, 16, cfg.vocab_size, 0);
     let a = flat(&model.forward(&x).unwrap());
     let b = flat(&base.forward(&x).unwrap());
+    assert_eq!(a.len(), b.len());
     assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
     // the base weights are the dense model's, the adapters the only trainable tensors
     assert_eq!(lora.num_layers(), 2 * 4);
@@ -169,6 +170,7 @@ fn frozen_parameters_never_move_and_hold_no_optimizer_state() {
     );
     for (n, before) in &frozen_before {
         let now = flat(model.parameter(n).unwrap().as_tensor());
+        assert_eq!(now.len(), before.len(), "frozen {n}: length");
         assert!(
             now.iter()
                 .zip(before)
@@ -213,6 +215,12 @@ fn frozen_parameters_never_move_and_hold_no_optimizer_state() {
         (full_est.weights, full_est.grads, full_est.optimizer)
     );
     let saving = (fw + fg + fo) as f64 / (w + frozen_bytes + g + o) as f64;
+    // the figure the README and docs/post-training.md give, to their two decimals
+    assert!(
+        (saving - 3.59).abs() < 0.005,
+        "LoRA r=8 on every projection of tiny: model states {saving:.4}x smaller than full \
+         fine-tuning, the docs say 3.59x"
+    );
     println!(
         "LoRA r=8: losses {:.4} -> {:.4}; model states {} B against {} B for full fine-tuning \
          ({saving:.2}x less), as estimated",
@@ -285,7 +293,10 @@ fn adapter_only_checkpoints_resume_bitwise() {
     };
     let straight = run(6, Some(3), false);
     let resumed = run(6, None, true);
-    for ((n, a), (_, b)) in straight.iter().zip(&resumed) {
+    assert_eq!(straight.len(), resumed.len(), "adapters after the resume");
+    for ((n, a), (rn, b)) in straight.iter().zip(&resumed) {
+        assert_eq!(n, rn);
+        assert_eq!(a.len(), b.len(), "{n}: length");
         assert!(
             a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
             "{n}: resumed differs"
@@ -338,13 +349,12 @@ fn tensor_parallel_lora_equals_tp1_and_the_adapter_file_reshards() {
         assert_close(&logits, &want_logits, 1e-5, 1e-5);
         let loss = model.loss(&x, &y)?;
         let g = loss.backward()?;
-        for (((n, v), (_, split)), (dn, dg)) in lora
-            .parameters()
-            .iter()
-            .zip(lora.param_splits())
-            .zip(&dense_grads)
-        {
+        let (params, splits) = (lora.parameters(), lora.param_splits());
+        assert_eq!(params.len(), splits.len());
+        assert_eq!(params.len(), dense_grads.len());
+        for (((n, v), (sn, split)), (dn, dg)) in params.iter().zip(splits).zip(&dense_grads) {
             assert_eq!(n, dn);
+            assert_eq!(n, &sn);
             let want = flat(&split.shard(dg, 2, tp.rank())?);
             assert_close(&flat(g.get(v.as_tensor()).unwrap()), &want, 1e-5, 1e-5);
         }
@@ -352,6 +362,7 @@ fn tensor_parallel_lora_equals_tp1_and_the_adapter_file_reshards() {
         let whole = lora.adapter_tensors()?;
         let (_, ref_lora) = lora_gpt(&cfg, &opts, &lc, None)?;
         ref_lora.load_adapter(&dir)?;
+        assert_eq!(whole.len(), ref_lora.parameters().len());
         for ((n, t), (_, v)) in whole.iter().zip(ref_lora.parameters()) {
             assert_eq!(t.to_vec::<f32>()?, flat(v.as_tensor()), "{n}");
         }
@@ -429,6 +440,7 @@ fn dropout_masks_are_drawn_again_by_a_recomputed_forward() {
     }
     assert_eq!(results[0].0.to_bits(), results[1].0.to_bits());
     assert_eq!(results[0].1, results[1].1);
+    assert_eq!(results[0].2.len(), results[1].2.len());
     assert!(results[0]
         .2
         .iter()

@@ -147,6 +147,7 @@ fn tensor_parallel_qat_equals_tp1() {
             let (model, qat) = qat_gpt(&cfg, &opts, &qc, Some(tp.clone()))?;
             model.forward(&x)?;
             qat.update_observers(Some(&*tp))?;
+            assert_eq!(qat.ranges().len(), want_ranges.len());
             for ((n, a), (_, b)) in qat.ranges().iter().zip(&want_ranges) {
                 assert!((a - b).abs() <= 1e-6 * b, "{n}: {a} vs {b}");
             }

@@ -24,30 +24,25 @@ pub fn batch(b: usize, t: usize, vocab: usize, salt: usize) -> (Tensor, Tensor) 
     )
 }
 
-/// Python's `safetensors` reads `path`: runs `script` (which prints JSON) on it and returns
-/// the parsed output, or `None` with a message where python3 or the module is missing
-/// (a failure under `CI=true`, which installs them).
+/// Python's `safetensors` (with numpy) reads `path`: runs `script` (which prints JSON) on it
+/// and returns the parsed output, or `None` with a message where `python3` or one of the
+/// modules is missing (a failure under `CI=true`, which installs them). Any other failure of
+/// the script fails the test with its stderr.
 pub fn python_json<T: serde::de::DeserializeOwned>(
     script: &str,
     path: &std::path::Path,
 ) -> Option<T> {
-    let out = std::process::Command::new("python3")
-        .args(["-c", script])
-        .arg(path)
-        .output();
-    match out {
-        Ok(o) if o.status.success() => Some(serde_json::from_slice(&o.stdout).unwrap()),
-        other => {
-            let why = match other {
-                Ok(o) => String::from_utf8_lossy(&o.stderr).to_string(),
-                Err(e) => e.to_string(),
-            };
-            assert!(
-                std::env::var("CI").ok().as_deref() != Some("true"),
-                "python3 with safetensors is required under CI: {why}"
-            );
-            println!("skipped: python3 with safetensors is not installed ({why})");
-            None
-        }
-    }
+    let python = kiln_testkit::Python::require(
+        "Python's safetensors reading a kiln file",
+        &["safetensors.numpy", "numpy"],
+    )?;
+    let out = python.run(
+        "the safetensors reader",
+        [
+            std::ffi::OsStr::new("-c"),
+            std::ffi::OsStr::new(script),
+            path.as_os_str(),
+        ],
+    );
+    Some(serde_json::from_str(&out).unwrap())
 }
