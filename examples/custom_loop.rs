@@ -61,7 +61,7 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     let (dp, zero, steps, every) = (args.dp, args.zero, args.steps, args.every);
-    let optimizer = args.optimizer.clone().unwrap_or_default();
+    let optimizer = args.optimizer.unwrap_or_default();
     let (out, resume, f32) = (args.out.clone(), args.resume, args.f32);
     // the tokenizer (512 ids, as the tiny model) and token shards, built once under the cache
     let mut pc = PrepareConfig::new("data", default_cache_dir().join("custom_loop"));

@@ -204,7 +204,7 @@ struct Args {
     /// ZeRO stage, 0-3
     #[arg(long, value_name = "STAGE", default_value_t = 0)]
     zero: u8,
-    /// Activation checkpointing: none, every_block, every_<k>, selective or selective_<k>
+    /// Activation checkpointing: none, every_block, every_K, selective or selective_K
     #[arg(long, value_name = "POLICY", default_value = "none")]
     checkpointing: CheckpointPolicy,
     /// Steps (the median is over steps 5 to N; at least 6)

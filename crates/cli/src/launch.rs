@@ -123,8 +123,8 @@ pub struct SuperviseArgs {
     /// --accumulation --restart-arg 2)
     #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
     pub restart_arg: Vec<OsString>,
-    /// The run's progress file (default: <--out DIR>/metrics.jsonl when the command has --out
-    /// DIR)
+    /// The run's progress file (default: metrics.jsonl in the command's --out DIR, when it has
+    /// one)
     #[arg(long, value_name = "FILE")]
     pub progress: Option<PathBuf>,
     /// The events file (default: supervise.jsonl beside the progress file)

@@ -27,10 +27,10 @@ pub struct SampleArgs {
     /// Greedy decoding (the most likely token each time) instead of sampling
     #[arg(long, conflicts_with_all = ["temperature", "top_k"])]
     pub greedy: bool,
-    /// Sampling temperature, > 0 [default: 0.8]
+    /// Sampling temperature, > 0 (default 0.8)
     #[arg(long, value_name = "T")]
     pub temperature: Option<f64>,
-    /// Sample among the K most likely tokens, >= 1 [default: 40]
+    /// Sample among the K most likely tokens, >= 1 (default 40)
     #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
     /// The sampling seed

@@ -50,7 +50,7 @@ pub struct TrainArgs {
     /// Collective backend, thread, mpi or nccl: parallel.backend
     #[arg(long, value_name = "BACKEND")]
     pub backend: Option<String>,
-    /// Device, cpu or cuda[:N]: device
+    /// Device, cpu, cuda or cuda:N: device
     #[arg(long, value_name = "DEVICE")]
     pub device: Option<String>,
     /// Peak learning rate: optim.schedule.lr

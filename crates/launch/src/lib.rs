@@ -96,7 +96,7 @@ pub fn init_from_env(backend: Backend) -> Result<Launched> {
 ///   error (the thread backend runs its ranks inside one process: see `kiln_comm::spawn`);
 /// - `mpi`: initialises MPI with `MPI_THREAD_MULTIPLE` and checks that MPI's rank and size
 ///   agree with the launcher's variables;
-/// - `nccl`: [`nccl_from_env`] on GPU `LOCAL_RANK`.
+/// - `nccl`: `nccl_from_env` (feature `nccl`) on GPU `LOCAL_RANK`.
 pub fn init_with(backend: Backend, timeout: Duration) -> Result<Launched> {
     let env = LaunchEnv::from_env()?;
     match backend {
