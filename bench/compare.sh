@@ -19,12 +19,12 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --disable-pip-version-check "${TORCH_SPEC:-torch}" numpy
 fi
-cargo build --release --quiet --example bench_train
+cargo build --release --quiet -p kiln-bench --bin bench_train
 # both default to small_cpu's sizes (d256, 4 layers, 4 heads, ctx 128, vocab 8192, batch 8)
 args=("$@")
 ratios=()
 for i in $(seq 1 "$PAIRS"); do
-  k=$(target/release/examples/bench_train ${args[@]+"${args[@]}"} --dtype "$DTYPE" | tail -1)
+  k=$(target/release/bench_train ${args[@]+"${args[@]}"} --dtype "$DTYPE" | tail -1)
   t=$(cd bench && ../"$VENV"/bin/python pytorch_ref.py ${args[@]+"${args[@]}"} --dtype "$DTYPE" | tail -1)
   echo "kiln    $k"
   echo "pytorch $t"

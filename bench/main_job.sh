@@ -12,7 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PAIRS="${PAIRS:-3}"
 STEPS="${STEPS:-25}"
-cargo build --release --quiet --example train_gpt --example bench_train
+cargo build --release --quiet --example train_gpt
+cargo build --release --quiet -p kiln-bench --bin bench_train
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 ratios=()
@@ -21,11 +22,11 @@ for i in $(seq 1 "$PAIRS"); do
   # writeback, a warm or cold cache) does not always favour the same side
   rm -rf "$out/run"
   if (( i % 2 == 1 )); then
-    b=$(target/release/examples/bench_train --steps "$STEPS" | tail -1)
+    b=$(target/release/bench_train --steps "$STEPS" | tail -1)
     target/release/examples/train_gpt --steps "$STEPS" --output "$out/run" > "$out/log" 2>&1
   else
     target/release/examples/train_gpt --steps "$STEPS" --output "$out/run" > "$out/log" 2>&1
-    b=$(target/release/examples/bench_train --steps "$STEPS" | tail -1)
+    b=$(target/release/bench_train --steps "$STEPS" | tail -1)
   fi
   r=$(python3 - "$b" "$out/run/metrics.jsonl" <<'PY'
 import json, statistics, sys

@@ -1,4 +1,4 @@
-"""PyTorch reference for kiln's CPU throughput (`examples/bench_train.rs`): the same GPT as
+"""PyTorch reference for kiln's CPU throughput (`bench/src/bin/bench_train.rs`): the same GPT as
 bench/torch_gpt.py (pre-LayerNorm decoder, learned positions, tied embeddings, GELU tanh,
 biases everywhere), the same loop as nanoGPT (AdamW with betas 0.9/0.95, weight decay 0.1 on
 matrices and embeddings only, clipping at 1.0), random tokens, on the CPU. f32, or bf16

@@ -8,13 +8,11 @@
 //! Run: `cargo run --release --example dpo` (flags: `--dp 2`, `--tp 1`, `--zero 1`, `--steps
 //! 150`, `--reward-steps 100`, `--beta 0.1`, `--lr 3e-3`, `--out runs/dpo`, `--resume`).
 
-#[path = "common/alloc.rs"]
-mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
+static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::Device;
 use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState};
 use kiln_ckpt::{ReshardRequest, Stateful, Step};
@@ -34,58 +32,42 @@ use std::time::Instant;
 const CTX: usize = 8;
 const PAIRS_PER_STEP: usize = 16;
 
-#[derive(Clone)]
+/// A reward model and DPO on synthetic preference pairs, from a pretrained tiny GPT.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "dpo")]
 struct Args {
+    /// Data-parallel thread ranks (divides the 16 pairs of a step)
+    #[arg(long, value_name = "N", default_value_t = 2)]
     dp: usize,
+    /// Tensor-parallel thread ranks
+    #[arg(long, value_name = "N", default_value_t = 1)]
     tp: usize,
+    /// ZeRO stage, 0-3
+    #[arg(long, value_name = "STAGE", default_value_t = 1)]
     zero: u8,
+    /// DPO steps
+    #[arg(long, value_name = "N", default_value_t = 150)]
     steps: u64,
+    /// Reward-model steps
+    #[arg(long, value_name = "N", default_value_t = 100)]
     reward_steps: u64,
+    /// DPO's beta
+    #[arg(long, value_name = "B", default_value_t = 0.1)]
     beta: f64,
+    /// Learning rate
+    #[arg(long, value_name = "LR", default_value_t = 3e-3)]
     lr: f32,
+    /// Output folder
+    #[arg(long, value_name = "DIR", default_value = "runs/dpo")]
     out: PathBuf,
+    /// Resume from the newest checkpoint
+    #[arg(long)]
     resume: bool,
 }
 
-/// The flags `args` takes.
-const FLAGS: &str =
-    "--dp N --tp N --zero S --steps N --reward-steps N --beta B --lr LR --out DIR --resume";
-
+/// The command line, checked.
 fn args() -> Result<Args> {
-    let mut a = Args {
-        dp: 2,
-        tp: 1,
-        zero: 1,
-        steps: 150,
-        reward_steps: 100,
-        beta: 0.1,
-        lr: 3e-3,
-        out: PathBuf::from("runs/dpo"),
-        resume: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "--resume" {
-            a.resume = true;
-            continue;
-        }
-        if flag == "-h" || flag == "--help" {
-            println!("flags: {FLAGS}");
-            std::process::exit(0);
-        }
-        let v = it.next().with_context(|| format!("{flag} needs a value"))?;
-        match flag.as_str() {
-            "--dp" => a.dp = v.parse()?,
-            "--tp" => a.tp = v.parse()?,
-            "--zero" => a.zero = v.parse()?,
-            "--steps" => a.steps = v.parse()?,
-            "--reward-steps" => a.reward_steps = v.parse()?,
-            "--beta" => a.beta = v.parse()?,
-            "--lr" => a.lr = v.parse()?,
-            "--out" => a.out = PathBuf::from(v),
-            other => bail!("unknown flag {other}; flags: {FLAGS}"),
-        }
-    }
+    let a = <Args as clap::Parser>::parse();
     if PAIRS_PER_STEP % a.dp != 0 {
         bail!(
             "--dp ({}) must divide the {PAIRS_PER_STEP} pairs of a step",

@@ -11,11 +11,9 @@
 //! 300`, `--steps 200`, `--dp 2`, `--tp 1`, `--rank 8`, `--lr 5e-3`, `--out runs/finetune_lora`,
 //! `--resume`).
 
-#[path = "common/alloc.rs"]
-mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
+static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
 use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, ShardingStage};
@@ -26,57 +24,42 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+/// LoRA fine-tuning of a tiny GPT pretrained on Shakespeare to a style it never saw.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "finetune_lora")]
 struct Args {
+    /// The base's checkpoint folder (default: pretrain one first)
+    #[arg(long, value_name = "DIR")]
     from: Option<PathBuf>,
+    /// Steps of the base's pretraining
+    #[arg(long, value_name = "N", default_value_t = 300)]
     pretrain_steps: u64,
+    /// LoRA fine-tuning steps
+    #[arg(long, value_name = "N", default_value_t = 200)]
     steps: u64,
+    /// Data-parallel thread ranks
+    #[arg(long, value_name = "N", default_value_t = 2)]
     dp: usize,
+    /// Tensor-parallel thread ranks
+    #[arg(long, value_name = "N", default_value_t = 1)]
     tp: usize,
+    /// LoRA rank
+    #[arg(long, value_name = "R", default_value_t = 8)]
     rank: usize,
+    /// Learning rate
+    #[arg(long, value_name = "LR", default_value_t = 5e-3)]
     lr: f64,
+    /// Output folder
+    #[arg(long, value_name = "DIR", default_value = "runs/finetune_lora")]
     out: PathBuf,
+    /// Resume the fine-tuning from its newest checkpoint
+    #[arg(long)]
     resume: bool,
 }
 
-/// The flags `args` takes.
-const FLAGS: &str =
-    "--from DIR --pretrain-steps N --steps N --dp N --tp N --rank R --lr LR --out DIR --resume";
-
+/// The command line, checked.
 fn args() -> Result<Args> {
-    let mut a = Args {
-        from: None,
-        pretrain_steps: 300,
-        steps: 200,
-        dp: 2,
-        tp: 1,
-        rank: 8,
-        lr: 5e-3,
-        out: PathBuf::from("runs/finetune_lora"),
-        resume: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "--resume" {
-            a.resume = true;
-            continue;
-        }
-        if flag == "-h" || flag == "--help" {
-            println!("flags: {FLAGS}");
-            std::process::exit(0);
-        }
-        let v = it.next().with_context(|| format!("{flag} needs a value"))?;
-        match flag.as_str() {
-            "--from" => a.from = Some(PathBuf::from(v)),
-            "--pretrain-steps" => a.pretrain_steps = v.parse()?,
-            "--steps" => a.steps = v.parse()?,
-            "--dp" => a.dp = v.parse()?,
-            "--tp" => a.tp = v.parse()?,
-            "--rank" => a.rank = v.parse()?,
-            "--lr" => a.lr = v.parse()?,
-            "--out" => a.out = PathBuf::from(v),
-            other => bail!("unknown flag {other}; flags: {FLAGS}"),
-        }
-    }
+    let a = <Args as clap::Parser>::parse();
     Ok(a)
 }
 

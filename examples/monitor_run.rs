@@ -8,11 +8,9 @@
 //! `tensorboard --logdir OUT_DIR/tb`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-#[path = "common/alloc.rs"]
-mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
+static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
 use kiln_monitor::*;
 use rand::{Rng, SeedableRng};
@@ -33,11 +31,17 @@ struct Ckpt {
     rng: ChaCha8Rng,
 }
 
+/// A simulated training run wired to every part of kiln-monitor.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "monitor_run")]
+struct Args {
+    /// Where the sinks write (run.jsonl, tb/, run.png)
+    #[arg(value_name = "OUT_DIR", default_value = "target/monitor_run")]
+    out: PathBuf,
+}
+
 fn main() -> anyhow::Result<()> {
-    let out = std::env::args()
-        .nth(1)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "target/monitor_run".into());
+    let out = <Args as clap::Parser>::parse().out;
     let mut sinks = MultiSink::new()
         .with(ConsoleSink::new(Some(STEPS), 100))
         .with(JsonlSink::create(out.join("run.jsonl"))?)

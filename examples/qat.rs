@@ -9,11 +9,9 @@
 //! Run: `cargo run --release --example qat` (flags: `--from DIR`, `--pretrain-steps 300`,
 //! `--steps 150`, `--dp 2`, `--lr 1e-3`, `--out runs/qat`).
 
-#[path = "common/alloc.rs"]
-mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
+static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -35,45 +33,33 @@ const BATCH: usize = 16;
 const EVAL_BATCHES: usize = 16;
 const CALIBRATION_BATCHES: usize = 8;
 
-#[derive(Clone)]
+/// Int8 quantization-aware training of a tiny GPT, its int8 export and integer inference.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "qat")]
 struct Args {
+    /// The f32 base's checkpoint folder (default: pretrain one first)
+    #[arg(long, value_name = "DIR")]
     from: Option<PathBuf>,
+    /// Steps of the base's pretraining
+    #[arg(long, value_name = "N", default_value_t = 300)]
     pretrain_steps: u64,
+    /// Quantization-aware training steps
+    #[arg(long, value_name = "N", default_value_t = 150)]
     steps: u64,
+    /// Data-parallel thread ranks (divides the batch of 16)
+    #[arg(long, value_name = "N", default_value_t = 2)]
     dp: usize,
+    /// Learning rate
+    #[arg(long, value_name = "LR", default_value_t = 1e-3)]
     lr: f32,
+    /// Output folder
+    #[arg(long, value_name = "DIR", default_value = "runs/qat")]
     out: PathBuf,
 }
 
-/// The flags `args` takes.
-const FLAGS: &str = "--from DIR --pretrain-steps N --steps N --dp N --lr LR --out DIR";
-
+/// The command line, checked.
 fn args() -> Result<Args> {
-    let mut a = Args {
-        from: None,
-        pretrain_steps: 300,
-        steps: 150,
-        dp: 2,
-        lr: 1e-3,
-        out: PathBuf::from("runs/qat"),
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "-h" || flag == "--help" {
-            println!("flags: {FLAGS}");
-            std::process::exit(0);
-        }
-        let v = it.next().with_context(|| format!("{flag} needs a value"))?;
-        match flag.as_str() {
-            "--from" => a.from = Some(PathBuf::from(v)),
-            "--pretrain-steps" => a.pretrain_steps = v.parse()?,
-            "--steps" => a.steps = v.parse()?,
-            "--dp" => a.dp = v.parse()?,
-            "--lr" => a.lr = v.parse()?,
-            "--out" => a.out = PathBuf::from(v),
-            other => bail!("unknown flag {other}; flags: {FLAGS}"),
-        }
-    }
+    let a = <Args as clap::Parser>::parse();
     if BATCH % a.dp != 0 {
         bail!("--dp ({}) must divide the batch of {BATCH}", a.dp);
     }

@@ -4,15 +4,21 @@
 //!
 //! Run: `cargo run --release --example train_gpt_tp` (same flags as `train_gpt`).
 
-#[path = "common/alloc.rs"]
-mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
+static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
-#[path = "common/gpt_run.rs"]
-mod gpt_run;
+use clap::Parser;
+
+/// The train_gpt model split over 4 tensor-parallel thread ranks.
+#[derive(Debug, Parser)]
+#[command(name = "train_gpt_tp")]
+struct Args {
+    #[command(flatten)]
+    run: kiln_cli::train::TrainArgs,
+}
 
 fn main() -> anyhow::Result<()> {
-    gpt_run::main_for("train_gpt_tp")
+    // the run preset `train_gpt_tp` with the command line's flags, trained, summarised and sampled
+    Args::parse().run.train("train_gpt_tp", "train_gpt_tp")
 }

@@ -5,15 +5,23 @@
 //!
 //! Run: `cargo run --release --example train_gpt_zero3` (same flags as `train_gpt`).
 
-#[path = "common/alloc.rs"]
-mod alloc;
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
-static GLOBAL: alloc::KilnAlloc = alloc::KilnAlloc;
+static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
-#[path = "common/gpt_run.rs"]
-mod gpt_run;
+use clap::Parser;
+
+/// The train_gpt model on 4 data-parallel thread ranks with ZeRO-3.
+#[derive(Debug, Parser)]
+#[command(name = "train_gpt_zero3")]
+struct Args {
+    #[command(flatten)]
+    run: kiln_cli::train::TrainArgs,
+}
 
 fn main() -> anyhow::Result<()> {
-    gpt_run::main_for("train_gpt_zero3")
+    // the run preset `train_gpt_zero3` with the command line's flags, trained, summarised and sampled
+    Args::parse()
+        .run
+        .train("train_gpt_zero3", "train_gpt_zero3")
 }

@@ -89,8 +89,8 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "nccl":
         print(m["executable"])')
   cp "$nccl_test" "$bundle/nccl"
-  cargo build --release --features nccl --example bench_comm
-  cp "$CARGO_TARGET_DIR/release/examples/bench_comm" "$bundle/"
+  cargo build --release --features nccl -p kiln-bench --bin bench_comm
+  cp "$CARGO_TARGET_DIR/release/bench_comm" "$bundle/"
   strip "$bundle/nccl" "$bundle/bench_comm"
   strip "$bundle/train_gpt"
   cp bench/torch_gpt.py "$bundle/"

@@ -4,6 +4,8 @@
 //! the same name, all on by default), so a project can depend on `kiln` alone:
 //!
 //! - [`comm`]: the `Communicator` trait, the thread backend and the collectives.
+//! - `launch`: who a process is under its launcher, the rendezvous store, the local launcher
+//!   and the restart supervisor.
 //! - `precision`: precision policy, loss scaling, non-finite checks.
 //! - `optim`: AdamW on flat f32 shards, learning-rate schedules, global-norm clipping.
 //! - `memory`: the segmented executor, activation checkpointing, memory estimates.
@@ -14,6 +16,8 @@
 //! - `monitor`: metrics, sinks (JSONL, console, TensorBoard, PNG), detectors, circuit breaker.
 //! - `tune`: post-training: instruction fine-tuning, LoRA, a reward model, DPO, int8 QAT.
 //! - `train`: the reference `Trainer` assembled from all of the above, and `RunConfig`.
+//! - `alloc` (feature `mimalloc`): `KilnAlloc`, the global allocator kiln's binaries and
+//!   published figures use (mimalloc with purging off).
 //!
 //! ```
 //! use kiln::comm::{spawn, CommExt, Communicator, ReduceOp};
@@ -27,6 +31,8 @@ pub use kiln_ckpt as ckpt;
 pub use kiln_comm as comm;
 #[cfg(feature = "data")]
 pub use kiln_data as data;
+#[cfg(feature = "launch")]
+pub use kiln_launch as launch;
 #[cfg(feature = "memory")]
 pub use kiln_memory as memory;
 #[cfg(feature = "model")]
@@ -42,5 +48,7 @@ pub use kiln_precision as precision;
 pub use kiln_state as state;
 #[cfg(feature = "train")]
 pub use kiln_train as train;
+#[cfg(feature = "mimalloc")]
+pub use kiln_train::alloc;
 #[cfg(feature = "tune")]
 pub use kiln_tune as tune;

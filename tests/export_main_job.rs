@@ -1,39 +1,28 @@
 //! The main job's checkpoint out of kiln, through the binaries a user runs: `train_gpt` (its
 //! preset: `small_cpu`, dp=2 x tp=2 with sequence parallelism, ZeRO-1, fp16, activation
 //! checkpointing; only shortened to 6 steps without evaluation), then
-//! `export_hf runs/.../checkpoints/latest OUT`. An independent GPT-2 in numpy
+//! `kiln export-hf runs/.../checkpoints/latest OUT`. An independent GPT-2 in numpy
 //! (`scripts/gpt2_numpy_forward.py`) computes, from the exported files alone, the logits kiln
-//! computes from the checkpoint, within 1e-5; `sample --greedy` prints the same continuation
-//! from the checkpoint and from the export.
+//! computes from the checkpoint, within 1e-5; `kiln sample --greedy` prints the same
+//! continuation from the checkpoint and from the export.
 //!
-//! Needs the `train_gpt`, `export_hf` and `sample` examples (`cargo test --workspace
-//! --release` builds them) and python3 with numpy (CI installs it, and its absence fails under
+//! Needs the `train_gpt` example and the `kiln` command (`cargo test --workspace --release`
+//! builds both) and python3 with numpy (CI installs it, and its absence fails under
 //! `CI=true`; elsewhere the numpy part is skipped with a message).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::process::{command, example, train_gpt, work_dir};
+use common::process::{command, kiln, stdout_of, train_gpt, work_dir};
 use kiln_model::{Gpt, GptOptions};
 use kiln_train::Pretrained;
 use std::path::Path;
-use std::process::Output;
 
-fn run_ok(what: &str, out: Output) -> String {
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
-
-/// The `ids:` line of `sample --greedy --ids` on `model`.
+/// The `ids:` line of `kiln sample --greedy --ids` on `model`.
 fn greedy_ids(model: &Path) -> String {
-    let out = command(&example("sample", "KILN_SAMPLE"))
+    let out = command(&kiln())
+        .arg("sample")
         .arg(model)
         .args([
             "--greedy",
@@ -45,7 +34,7 @@ fn greedy_ids(model: &Path) -> String {
         ])
         .output()
         .unwrap();
-    let stdout = run_ok("sample", out);
+    let stdout = stdout_of("kiln sample", out);
     stdout
         .lines()
         .find(|l| l.starts_with("ids:"))
@@ -69,7 +58,7 @@ fn the_main_jobs_export_is_gpt2_to_numpy() {
         .arg(&cache)
         .output()
         .unwrap();
-    let stdout = run_ok("train_gpt", run);
+    let stdout = stdout_of("train_gpt", run);
     assert!(
         stdout.contains("dp=2 x tp=2 (sequence-parallel), ZeRO-1, f16"),
         "{stdout}"
@@ -77,12 +66,13 @@ fn the_main_jobs_export_is_gpt2_to_numpy() {
 
     let latest = out.join("checkpoints/latest");
     let export = root.join("hf");
-    let ex = command(&example("export_hf", "KILN_EXPORT_HF"))
+    let ex = command(&kiln())
+        .arg("export-hf")
         .arg(&latest)
         .arg(&export)
         .output()
         .unwrap();
-    let printed = run_ok("export_hf", ex);
+    let printed = stdout_of("kiln export-hf", ex);
     println!("{printed}");
     assert!(
         printed.contains("step 6") && printed.contains("dp=2 tp=2 zero=1"),

@@ -1,7 +1,7 @@
-//! The `sample` and `evaluate` examples on a checkpoint trained here: the `tiny` model (vocab
+//! `kiln sample` and `kiln evaluate` on a checkpoint trained here: the `tiny` model (vocab
 //! 512, context 64) trained by kiln-train's `Trainer` for a few seconds on the first 200 kB of
 //! `data/shakespeare.txt`, tokenized with a byte-level BPE of 512 ids trained on the same text
-//! (a custom corpus, so the checkpoint folder has no `tokenizer.json`: the examples get
+//! (a custom corpus, so the checkpoint folder has no `tokenizer.json`: the subcommands get
 //! `--tokenizer`).
 //!
 //! - `sample --greedy --ids` twice gives the same ids, and they are the ids
@@ -17,15 +17,14 @@
 //!   unknown flag, a bad number, a prompt outside the vocabulary, a text too short for one
 //!   window (with its token count).
 //!
-//! The examples are built (`cargo build --release --example sample --example evaluate`, in the
-//! profile of this test) before they run, so they are never stale; `KILN_SAMPLE` and
-//! `KILN_EVALUATE` name other binaries instead.
+//! The `kiln` command is `target/<profile>/kiln` (`cargo test --workspace --release` builds it;
+//! where it is missing this test builds it), or the binary `KILN_BIN` names.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
 use candle_core::{DType, Tensor};
-use common::process::{command, example, repo, work_dir};
+use common::process::{command, kiln, repo, work_dir};
 use kiln_data::{write_shard, TokenDtype, TokenSource, Tokenizer, Verify};
 use kiln_model::{generate, Gpt, GptOptions, Sampling};
 use kiln_train::{Pretrained, RunConfig, Trainer};
@@ -57,9 +56,15 @@ struct Fixture {
     train_text: PathBuf,
     /// The work folder.
     dir: PathBuf,
-    /// The `sample` and `evaluate` binaries.
-    sample: PathBuf,
-    evaluate: PathBuf,
+    /// `kiln sample` and `kiln evaluate`.
+    sample: Bin,
+    evaluate: Bin,
+}
+
+/// A subcommand of the `kiln` binary.
+struct Bin {
+    kiln: PathBuf,
+    sub: &'static str,
 }
 
 /// The first `n` bytes of `text`, cut after a line end.
@@ -74,47 +79,20 @@ fn head(text: &str, n: usize) -> &str {
     }
 }
 
-/// Builds `sample` and `evaluate` in this test's profile, unless `KILN_SAMPLE` and
-/// `KILN_EVALUATE` name the binaries.
-fn build_examples() -> (PathBuf, PathBuf) {
-    if std::env::var_os("KILN_SAMPLE").is_none() || std::env::var_os("KILN_EVALUATE").is_none() {
-        // target/<profile>/deps/<this test>
-        let exe = std::env::current_exe().unwrap();
-        let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-        let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-            Some("debug") => "dev".to_string(),
-            Some(p) => p.to_string(),
-            None => "release".to_string(),
-        };
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let t = Instant::now();
-        let out = std::process::Command::new(&cargo)
-            .current_dir(repo())
-            .args(["build", "--profile", &profile])
-            .args(["--example", "sample", "--example", "evaluate"])
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run {cargo:?}: {e}"));
-        assert!(
-            out.status.success(),
-            "cargo build --profile {profile} --example sample --example evaluate failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        println!(
-            "built the examples (profile {profile}) in {:.1?}",
-            t.elapsed()
-        );
-    }
-    (
-        example("sample", "KILN_SAMPLE"),
-        example("evaluate", "KILN_EVALUATE"),
-    )
-}
-
 /// Trains the tokenizer and the `tiny` model once; every test shares them.
 fn fixture() -> &'static Fixture {
     static FIXTURE: OnceLock<Fixture> = OnceLock::new();
     FIXTURE.get_or_init(|| {
-        let (sample, evaluate) = build_examples();
+        let (sample, evaluate) = (
+            Bin {
+                kiln: kiln(),
+                sub: "sample",
+            },
+            Bin {
+                kiln: kiln(),
+                sub: "evaluate",
+            },
+        );
         let t = Instant::now();
         let dir = work_dir("kiln-sample-evaluate");
         let corpus = std::fs::read_to_string(repo().join("data/shakespeare.txt")).unwrap();
@@ -180,12 +158,12 @@ fn fixture() -> &'static Fixture {
 }
 
 /// Runs `bin` with `args`; its output.
-fn run(bin: &Path, args: &[&str]) -> Output {
+fn run(bin: &Bin, args: &[&str]) -> Output {
     let t = Instant::now();
-    let out = command(bin).args(args).output().unwrap();
+    let out = command(&bin.kiln).arg(bin.sub).args(args).output().unwrap();
     println!(
-        "{} {} -> {} in {:.1?}",
-        bin.file_name().unwrap().to_string_lossy(),
+        "kiln {} {} -> {} in {:.1?}",
+        bin.sub,
         args.join(" "),
         out.status,
         t.elapsed()
@@ -194,12 +172,12 @@ fn run(bin: &Path, args: &[&str]) -> Output {
 }
 
 /// Runs `bin` with `args`, which must succeed; its stdout.
-fn run_ok(bin: &Path, args: &[&str]) -> String {
+fn run_ok(bin: &Bin, args: &[&str]) -> String {
     let out = run(bin, args);
     assert!(
         out.status.success(),
-        "{} {args:?} failed: {}\n--- stdout\n{}\n--- stderr\n{}",
-        bin.display(),
+        "kiln {} {args:?} failed: {}\n--- stdout\n{}\n--- stderr\n{}",
+        bin.sub,
         out.status,
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
@@ -208,13 +186,13 @@ fn run_ok(bin: &Path, args: &[&str]) -> String {
 }
 
 /// Runs `bin` with `args`, which must fail; its stderr, which must contain every `needle`.
-fn run_err(bin: &Path, args: &[&str], needles: &[&str]) -> String {
+fn run_err(bin: &Bin, args: &[&str], needles: &[&str]) -> String {
     let out = run(bin, args);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(
         !out.status.success(),
-        "{} {args:?} should fail:\n{}",
-        bin.display(),
+        "kiln {} {args:?} should fail:\n{}",
+        bin.sub,
         String::from_utf8_lossy(&out.stdout)
     );
     for n in needles {
@@ -286,7 +264,7 @@ fn sample_greedy_is_deterministic_and_uses_the_checkpoint() {
     assert_eq!(
         ids,
         want[prompt.len()..],
-        "the example samples the checkpoint"
+        "kiln sample samples the checkpoint"
     );
     let text = tok.decode(&ids).unwrap();
     assert!(first.contains(&text), "prints the continuation {text:?}");
@@ -457,7 +435,7 @@ fn bad_input_is_named() {
         run_err(
             bin,
             &[ckpt, "--frobnicate", "1"],
-            &["unknown flag --frobnicate"],
+            &["unexpected argument '--frobnicate'"],
         );
     }
     run_err(
@@ -468,7 +446,7 @@ fn bad_input_is_named() {
     run_err(
         &f.sample,
         &[ckpt, "--tokenizer", tok_path, "--max-tokens", "ten"],
-        &["--max-tokens", "\"ten\""],
+        &["--max-tokens", "'ten'"],
     );
     run_err(
         &f.sample,

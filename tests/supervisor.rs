@@ -1,4 +1,4 @@
-//! The elastic restart supervisor (`examples/supervise.rs`, `kiln_comm::launch::Supervisor`)
+//! The elastic restart supervisor (`kiln supervise`, `kiln_launch::Supervisor`)
 //! on the real `train_gpt`: the test SIGKILLs the supervised process (its pid taken from the
 //! supervisor's events file) and checks what the supervisor did.
 //!
@@ -14,14 +14,14 @@
 //!   with 137 (128 + SIGKILL) and says the restarts are spent; a child that fails at start-up
 //!   (a bad flag) is not restarted at all.
 //!
-//! Needs `cargo build --release --example train_gpt --example supervise` (`cargo test
-//! --workspace --release` builds both); `KILN_TRAIN_GPT` and `KILN_SUPERVISE` name others.
+//! Needs the `train_gpt` example and the `kiln` command (`cargo test --workspace --release`
+//! builds both); `KILN_TRAIN_GPT` and `KILN_BIN` name others.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
 use common::process::{
-    self, assert_checkpoint_bytes_equal, checkpoint_dir, command, example, loss_bits, losses,
+    self, assert_checkpoint_bytes_equal, checkpoint_dir, command, kiln, loss_bits, losses,
     train_gpt, TrainJob,
 };
 use kiln_testkit::{run_with_deadline, ProcessRun};
@@ -64,10 +64,11 @@ fn reference() -> &'static Path {
     })
 }
 
-/// `supervise <flags> -- train_gpt <train args> <extra>`, with its events in `events`.
+/// `kiln supervise <flags> -- train_gpt <train args> <extra>`, with its events in `events`.
 fn supervise(flags: &[&str], out: &Path, extra: &[&str]) -> Command {
-    let mut cmd = command(&example("supervise", "KILN_SUPERVISE"));
-    cmd.args(flags)
+    let mut cmd = command(&kiln());
+    cmd.arg("supervise")
+        .args(flags)
         .arg("--")
         .arg(train_gpt())
         .args(JOB.args(out, false))

@@ -1,5 +1,6 @@
-//! Helpers of the tests that run the example binaries (`train_gpt`, `supervise`) as child
-//! processes (`kill9_train_gpt.rs`, `supervisor.rs`): finding the binaries, a fresh work folder,
+//! Helpers of the tests that run the example binaries (`train_gpt`) and the `kiln` command as
+//! child processes (`kill9_train_gpt.rs`, `supervisor.rs`, ...): finding the binaries, a fresh
+//! work folder,
 //! the `train_gpt` job they share, its committed checkpoints compared file by file, and the loss
 //! records of its `metrics.jsonl`.
 
@@ -33,9 +34,73 @@ pub fn example(name: &str, var: &str) -> PathBuf {
     p
 }
 
+/// The `kiln` command (kiln-cli's binary), or the binary `KILN_BIN` names:
+/// `target/<profile>/kiln`, which `cargo test --workspace` builds before any test runs (kiln-cli's
+/// own tests need it). Where it is missing (a test run with `-p kiln`) it is built here, once per
+/// test process (`cargo build --profile <profile> -p kiln-cli --bin kiln`).
+pub fn kiln() -> PathBuf {
+    if let Some(p) = std::env::var_os("KILN_BIN") {
+        return PathBuf::from(p);
+    }
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            // target/<profile>/deps/<this test>
+            let exe = std::env::current_exe().unwrap();
+            let profile_dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+            let p = profile_dir.join("kiln");
+            if p.is_file() {
+                return p;
+            }
+            let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+                Some("debug") => "dev".to_string(),
+                Some(p) => p.to_string(),
+                None => "release".to_string(),
+            };
+            println!("{} is missing: building it", p.display());
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let out = Command::new(&cargo)
+                .current_dir(repo())
+                .args([
+                    "build",
+                    "--profile",
+                    &profile,
+                    "-p",
+                    "kiln-cli",
+                    "--bin",
+                    "kiln",
+                ])
+                .output()
+                .unwrap_or_else(|e| panic!("cannot run {cargo:?} to build the kiln command: {e}"));
+            assert!(
+                out.status.success(),
+                "{} is missing and `cargo build --profile {profile} -p kiln-cli --bin kiln` \
+                 failed (build it, or set KILN_BIN to a kiln binary):\n{}",
+                p.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(p.is_file(), "{} is missing after the build", p.display());
+            p
+        })
+        .clone()
+}
+
 /// The `train_gpt` example (or the binary `KILN_TRAIN_GPT` names).
 pub fn train_gpt() -> PathBuf {
     example("train_gpt", "KILN_TRAIN_GPT")
+}
+
+/// The stdout of a finished child, which must have succeeded (`what` names it in the failure,
+/// with both streams).
+pub fn stdout_of(what: &str, out: std::process::Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
 }
 
 /// A command running `program` from the workspace root, without backtraces.

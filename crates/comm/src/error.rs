@@ -85,22 +85,6 @@ pub enum CommError {
     /// An invalid world size or configuration.
     #[error("invalid communicator configuration: {0}")]
     Config(String),
-    /// A launcher variable is missing, malformed or contradicts another.
-    #[error("launch environment: {variable}: {message}")]
-    Launch {
-        /// The variable (or variables) at fault, as `NAME=value`.
-        variable: String,
-        /// What is wrong with it.
-        message: String,
-    },
-    /// The rendezvous store could not be reached, or did not answer in time.
-    #[error("rendezvous store at {addr}: {message}")]
-    Store {
-        /// `host:port` of the store.
-        addr: String,
-        /// What went wrong (the key it waited for, the socket error).
-        message: String,
-    },
     /// The backend cannot run on this machine (its library or device is missing); nothing was
     /// started.
     #[error("{backend} backend unavailable: {reason}")]

@@ -10,9 +10,9 @@
 //!   bitwise the thread backend's results.
 //! - `nccl::NcclComm` (feature `nccl`): one rank per GPU over NCCL (cudarc), collectives on
 //!   device buffers in place and on host slices; see [`Capabilities`] for how it differs.
-//! - [`launch`]: who this process is under torchrun, Open MPI, PMI or Slurm
-//!   ([`launch::LaunchEnv`]), the world communicator of a [`launch::Backend`]
-//!   ([`launch::init_from_env`]), and a TCP rendezvous store ([`launch::TcpStore`]).
+//! - [`Backend`]: the backends by name (`thread`, `mpi`, `nccl`), as a run configuration
+//!   chooses them; kiln-launch creates a process's world communicator of one from what its
+//!   launcher says.
 //! - Element types through the sealed [`CommElem`]: f32, f64, f16, bf16, i64, u32; f16 and bf16
 //!   reduce in f32. Reductions are deterministic (fixed rank order).
 //! - Faults are errors, never hangs: every wait has a timeout ([`CommError::Timeout`]), a rank
@@ -39,11 +39,11 @@
 //! ```
 #![deny(missing_docs)]
 
+mod backend;
 mod check;
 mod communicator;
 mod elem;
 mod error;
-pub mod launch;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "nccl")]
@@ -52,6 +52,7 @@ mod thread;
 #[cfg(any(feature = "mpi", test))]
 mod wire;
 
+pub use backend::Backend;
 pub use communicator::{chunk_range, Capabilities, CommExt, Communicator, Descriptor, OpKind};
 pub use elem::{Buf, BufMut, CommElem, DType, ReduceOp};
 pub use error::{CommError, Result};

@@ -24,15 +24,14 @@
 //!   [`CommError::BackendUnavailable`] naming the missing library; cudarc is never asked to
 //!   load it (it would panic).
 //!
-//! One rank per process is the intended use: [`NcclComm::init_from_env`] takes the rank, world
-//! and local rank from the launcher (torchrun-style variables, Open MPI, Slurm), the GPU from
-//! the local rank, and exchanges NCCL's unique id through the rendezvous store
-//! ([`crate::launch::TcpStore`]).
+//! One rank per process is the intended use: kiln-launch's `nccl_from_env` takes the rank,
+//! world and local rank from the launcher (torchrun-style variables, Open MPI, Slurm), the GPU
+//! from the local rank, and hands rank 0's [`NcclId`] to the others through its rendezvous
+//! store; [`NcclComm::new`] then takes the id, however it travelled.
 
 use crate::communicator::{chunk_range, Capabilities, Communicator, Descriptor, OpKind};
 use crate::elem::{Buf, BufMut, CommElem, DType, ReduceOp};
 use crate::error::{CommError, Result};
-use crate::launch::{LaunchEnv, TcpStore};
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
@@ -284,30 +283,6 @@ impl NcclComm {
             world,
             timeout,
         })
-    }
-
-    /// The world communicator of this process under a launcher: rank, world and local rank from
-    /// [`LaunchEnv::from_env`], GPU `LOCAL_RANK` (`device_offset + local rank`, so that several
-    /// processes per node take one GPU each), NCCL's unique id made by rank 0 and handed out
-    /// through the rendezvous store on `MASTER_ADDR:MASTER_PORT`. Without a launcher: a world
-    /// of one on GPU `device_offset`.
-    pub fn init_from_env(device_offset: usize, timeout: Duration) -> Result<NcclComm> {
-        available()?;
-        let env = LaunchEnv::from_env()?;
-        let ordinal = device_offset + env.local_rank;
-        if env.world_size <= 1 {
-            return NcclComm::new(ordinal, 0, 1, NcclId::new()?, timeout);
-        }
-        let store = TcpStore::for_rank(&env, timeout)?;
-        let key = "kiln/nccl/unique_id";
-        let id = if env.rank == 0 {
-            let id = NcclId::new()?;
-            store.set(key, &id.to_bytes())?;
-            id
-        } else {
-            NcclId::from_bytes(&store.get(key)?)?
-        };
-        NcclComm::new(ordinal, env.rank, env.world_size, id, timeout)
     }
 
     /// The communicator's CUDA stream: its collectives run there.

@@ -13,7 +13,7 @@ mod common;
 
 use common::suite::{self, RankFn, Ranks};
 use kiln_comm::{CommError, CommExt, Communicator, Mpi, MpiComm, MpiCommConfig, OpKind, ReduceOp};
-use kiln_testkit::{mpirun, mpirun_path, run_with_deadline, ProcessRun};
+use kiln_testkit::{mpirun_path, mpirun_self, ProcessRun};
 use std::time::{Duration, Instant};
 
 fn main() {
@@ -29,38 +29,14 @@ fn launch(np: usize, role: &str, deadline: Duration) -> ProcessRun {
     launch_env(np, role, deadline, &[])
 }
 
-fn launch_with(np: usize, role: &str, vars: &[(&str, &str)]) -> ProcessRun {
-    launch_env(np, role, Duration::from_secs(120), vars)
-}
-
 fn launch_env(np: usize, role: &str, deadline: Duration, vars: &[(&str, &str)]) -> ProcessRun {
     let mpirun_bin = mpirun_path().expect("checked by the driver");
-    let exe = std::env::current_exe().expect("own path");
-    let mut cmd = mpirun(&mpirun_bin, np, &exe);
-    cmd.env("KILN_MPI_TEST", role).envs(vars.iter().copied());
-    let t = Instant::now();
-    let run = run_with_deadline(cmd, deadline);
-    println!(
-        "  mpirun -np {np} {role}: {:?} in {:.1?}",
-        run.status,
-        t.elapsed()
-    );
-    run
+    mpirun_self(&mpirun_bin, np, role, vars, deadline)
 }
 
 /// Lines `rank R: <what>` printed by the ranks.
 fn said(run: &ProcessRun, what: &str) -> Vec<usize> {
-    let mut ranks: Vec<usize> = run
-        .stdout
-        .lines()
-        .filter_map(|l| {
-            let rest = l.trim().strip_prefix("rank ")?;
-            let (r, msg) = rest.split_once(": ")?;
-            msg.starts_with(what).then(|| r.parse().ok()).flatten()
-        })
-        .collect();
-    ranks.sort_unstable();
-    ranks
+    run.ranks_saying(what)
 }
 
 fn driver() {
@@ -89,17 +65,6 @@ fn driver() {
     for np in [2, 3] {
         suite(np, &[("KILN_TEST_STAGE_BYTES", "4096")]);
     }
-
-    let run = launch(2, "launch", Duration::from_secs(120));
-    assert!(run.success(), "launch: {}", run.output());
-    assert_eq!(said(&run, "launch ok"), vec![0, 1], "{}", run.output());
-    let run = launch_with(
-        2,
-        "launch-stale",
-        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")],
-    );
-    assert_eq!(said(&run, "accepted"), vec![0], "{}", run.output());
-    assert_eq!(said(&run, "refused launch environment: OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=2 against RANK=0, WORLD_SIZE=2"), vec![1], "{}", run.output());
 
     let run = launch(3, "mismatch", Duration::from_secs(120));
     assert!(run.success(), "mismatch scenario: {}", run.output());
@@ -155,9 +120,6 @@ impl Ranks for MpiRanks<'_> {
 }
 
 fn worker(role: &str) {
-    if role.starts_with("launch") {
-        return launch_worker(role);
-    }
     let mpi = Mpi::init().expect("MPI_Init_thread");
     let timeout = if role == "stall" { 2.0 } else { 60.0 };
     let mut config = MpiCommConfig::with_timeout(Duration::from_secs_f64(timeout));
@@ -227,39 +189,6 @@ fn worker(role: &str) {
     }
     drop(world);
     drop(mpi);
-}
-
-/// `init_from_env` under mpirun: the launcher's variables and MPI agree; a stale torchrun
-/// export that contradicts them is an error naming both.
-fn launch_worker(role: &str) {
-    use kiln_comm::launch::{init_from_env, Backend, LaunchEnv, Launcher};
-    if role == "launch-stale" {
-        match LaunchEnv::from_env() {
-            Err(e) => {
-                let rank = std::env::var("OMPI_COMM_WORLD_RANK").unwrap_or_default();
-                println!("rank {rank}: refused {e}");
-            }
-            Ok(env) => println!("rank {}: accepted", env.rank),
-        }
-        return;
-    }
-    let launched = init_from_env(Backend::Mpi).expect("init_from_env");
-    let env = &launched.env;
-    assert_eq!(env.launcher, Launcher::OpenMpi);
-    assert_eq!(launched.backend, Backend::Mpi);
-    assert_eq!(launched.comm.rank(), env.rank);
-    assert_eq!(launched.comm.world_size(), env.world_size);
-    assert_eq!(
-        env.local_rank, env.rank,
-        "one host: local ranks are the ranks"
-    );
-    let mut v = [1u32];
-    launched
-        .comm
-        .all_reduce(&mut v, ReduceOp::Sum)
-        .expect("all_reduce");
-    assert_eq!(v[0] as usize, env.world_size);
-    println!("rank {}: launch ok", env.rank);
 }
 
 fn expect_mismatch(me: usize, res: Result<(), CommError>, second: usize, what: &str) {

@@ -49,7 +49,7 @@ pub struct LoaderConfig {
 
 impl LoaderConfig {
     /// Defaults for one rank: seed 0, drop the tail, 1 worker (one keeps up with tens of
-    /// millions of tokens per second; see `examples/bench_data.rs`), 8 batches staged, 60 s
+    /// millions of tokens per second; see `bench/src/bin/bench_data.rs`), 8 batches staged, 60 s
     /// stall timeout, 64 chunks of 64 Ki tokens cached, resharding allowed.
     pub fn new(ctx: usize, batch_size: usize) -> Self {
         LoaderConfig {

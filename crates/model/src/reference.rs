@@ -2,7 +2,7 @@
 //! that have a backward (`exp`, `sum_keepdim`, broadcasts, `gather`, `where_cond`).
 //!
 //! They are the second implementation the fused ops are tested against, and the baseline of
-//! `examples/bench_model.rs`. They allocate one tensor per step and are several times slower.
+//! `bench/src/bin/bench_model.rs`. They allocate one tensor per step and are several times slower.
 
 use crate::error::{ModelError, Result};
 use candle_core::{Tensor, D};

@@ -183,6 +183,22 @@ impl ProcessRun {
             self.status, self.elapsed, self.stdout, self.stderr
         )
     }
+
+    /// The ranks that printed a stdout line `rank R: <what>...`, sorted: how the ranks of a
+    /// multi-process test report.
+    pub fn ranks_saying(&self, what: &str) -> Vec<usize> {
+        let mut ranks: Vec<usize> = self
+            .stdout
+            .lines()
+            .filter_map(|l| {
+                let rest = l.trim().strip_prefix("rank ")?;
+                let (r, msg) = rest.split_once(": ")?;
+                msg.starts_with(what).then(|| r.parse().ok()).flatten()
+            })
+            .collect();
+        ranks.sort_unstable();
+        ranks
+    }
 }
 
 /// Runs `cmd` to completion or until `deadline`, when it is terminated (SIGTERM, then SIGKILL
@@ -278,6 +294,29 @@ pub fn mpirun(mpirun: &std::path::Path, np: usize, exe: &std::path::Path) -> std
     .args(["-np", &np.to_string()])
     .arg(exe);
     cmd
+}
+
+/// Runs this test binary under `mpirun -np np` with `role` in `KILN_MPI_TEST` and `vars` set,
+/// until `deadline`; prints how it went. The binary's `main` reads `KILN_MPI_TEST` to tell the
+/// driver (unset) from a rank (set to its role).
+pub fn mpirun_self(
+    mpirun_bin: &std::path::Path,
+    np: usize,
+    role: &str,
+    vars: &[(&str, &str)],
+    deadline: Duration,
+) -> ProcessRun {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let mut cmd = mpirun(mpirun_bin, np, &exe);
+    cmd.env("KILN_MPI_TEST", role).envs(vars.iter().copied());
+    let t = std::time::Instant::now();
+    let run = run_with_deadline(cmd, deadline);
+    println!(
+        "  mpirun -np {np} {role}: {:?} in {:.1?}",
+        run.status,
+        t.elapsed()
+    );
+    run
 }
 
 #[cfg(test)]

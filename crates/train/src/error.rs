@@ -70,6 +70,9 @@ pub enum TrainError {
     /// A collective failed.
     #[error(transparent)]
     Comm(Box<kiln_comm::CommError>),
+    /// Starting this process's rank under its launcher failed.
+    #[error(transparent)]
+    Launch(Box<kiln_launch::LaunchError>),
     /// The parallel engine failed.
     #[error(transparent)]
     Parallel(Box<kiln_parallel::ParallelError>),
@@ -129,6 +132,7 @@ macro_rules! boxed_from {
 
 boxed_from!(
     Comm: kiln_comm::CommError,
+    Launch: kiln_launch::LaunchError,
     Parallel: kiln_parallel::ParallelError,
     Model: kiln_model::ModelError,
     Data: kiln_data::DataError,

@@ -49,6 +49,8 @@
 //! ```
 #![deny(missing_docs)]
 
+#[cfg(feature = "mimalloc")]
+pub mod alloc;
 mod config;
 mod data;
 mod error;

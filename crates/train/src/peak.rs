@@ -3,7 +3,8 @@
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 use candle_core::Device;
-use kiln_comm::launch::{Backend, LaunchEnv};
+use kiln_comm::Backend;
+use kiln_launch::LaunchEnv;
 use kiln_monitor::{CpuInfo, PeakFlops};
 use kiln_precision::ComputeDType;
 use kiln_state::DType;

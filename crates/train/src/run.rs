@@ -4,8 +4,10 @@
 use crate::config::RunConfig;
 use crate::error::{Result, TrainError};
 use crate::trainer::{TrainSummary, Trainer};
-use kiln_comm::launch::{init_from_env, Backend};
-use kiln_comm::{spawn_with, CommError, Communicator, RankFailure, ThreadComm, ThreadCommConfig};
+use kiln_comm::{
+    spawn_with, Backend, CommError, Communicator, RankFailure, ThreadComm, ThreadCommConfig,
+};
+use kiln_launch::init_from_env;
 
 /// What the per-rank closure of [`run_threads_with`] (a [`ThreadComm`]) and [`run_with`] (a
 /// `Box<dyn Communicator>` of the configured backend) gets.

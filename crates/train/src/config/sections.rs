@@ -1,7 +1,7 @@
 //! The sections of a [`RunConfig`](super::RunConfig), one per concern, each with its defaults.
 
 use crate::error::{Result, TrainError};
-use kiln_comm::launch::Backend;
+use kiln_comm::Backend;
 use kiln_data::{MixtureSchedule, QualityConfig};
 use kiln_memory::CheckpointPolicy;
 use kiln_model::GptConfig;

@@ -553,7 +553,7 @@ fn plan_dynamic_batch(cfg: &RunConfig, budget_mib: f64) -> Result<(usize, usize,
                  report (/proc/meminfo): set budget_mib",
             )
         })?;
-        let local_ranks = if p.backend == kiln_comm::launch::Backend::Thread {
+        let local_ranks = if p.backend == kiln_comm::Backend::Thread {
             p.world() as u64
         } else {
             1
