@@ -47,7 +47,6 @@ mod error;
 mod generate;
 pub mod hf;
 mod init;
-mod kernel;
 mod linear;
 mod model;
 pub mod ops;

@@ -27,7 +27,6 @@ pub mod cuda;
 mod dims;
 mod engine;
 mod error;
-pub mod fastmath;
 mod flat;
 mod state;
 pub mod tp;

@@ -8,8 +8,9 @@
 //! and keys flash-attention-2 style (`kernels/attn.cu`, launched from `crate::cuda_attn`).
 
 use crate::error::{ModelError, Result};
-use crate::kernel::{contiguous, is_float, same_type, with_float_storage, Elem, FLOAT_DTYPES};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use kiln_kernels::custom_op::{contiguous, is_float, same_type, Elem, FLOAT_DTYPES};
+use kiln_kernels::with_float_storage;
 use std::sync::{Arc, Mutex};
 
 mod cpu;
@@ -471,7 +472,7 @@ fn interleave_heads<T: Copy + Send + Sync>(
     let row = parts.len() * heads * dh;
     let len = b * t * row;
     let mut out: Vec<T> = Vec::with_capacity(len);
-    crate::kernel::par_rows(
+    kiln_kernels::custom_op::par_rows(
         &mut out.spare_capacity_mut()[..len],
         row,
         row,

@@ -1,9 +1,10 @@
 //! Cross-entropy with logits: fused log-softmax and negative log-likelihood, and its backward.
 
 use crate::error::{ModelError, Result};
-use crate::kernel::FLOAT_DTYPES;
-use crate::kernel::{contiguous, is_float, output_vec, par_rows, with_float_storage, Elem, Float};
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use kiln_kernels::custom_op::FLOAT_DTYPES;
+use kiln_kernels::custom_op::{contiguous, is_float, output_vec, par_rows, Elem, Float};
+use kiln_kernels::with_float_storage;
 
 /// Mean cross-entropy of `logits` `[n, vocab]` against `targets` `[n]` (u32), averaged over
 /// the targets that are not `ignore_index`. Returns a scalar: f64 for f64 logits, f32

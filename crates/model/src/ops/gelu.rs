@@ -1,11 +1,11 @@
 //! GELU, tanh approximation (GPT-2/3), and its backward.
 
 use crate::error::{ModelError, Result};
-use crate::kernel::{
-    contiguous, is_float, output_vec, par_rows, same_type, with_float_storage, Elem, Float,
-    FLOAT_DTYPES,
-};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
+use kiln_kernels::custom_op::{
+    contiguous, is_float, output_vec, par_rows, same_type, Elem, Float, FLOAT_DTYPES,
+};
+use kiln_kernels::with_float_storage;
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const COEF: f64 = 0.044_715;
@@ -62,7 +62,7 @@ fn gelu_grad<F: Float>(x: F) -> F {
 /// `out[i] = f(x[i], y[i])`, vectorised as wide as the CPU allows (`f` is small and inlined
 /// into each copy).
 fn map2_rows<T: Elem, F: Fn(T, T) -> T>(out: &mut [T], x: &[T], y: &[T], f: &F) {
-    kiln_parallel::simd_dispatch!(map2_rows_avx512, map2_rows_impl, (out, x, y, f))
+    kiln_kernels::simd_dispatch!(map2_rows_avx512, map2_rows_impl, (out, x, y, f))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -328,7 +328,7 @@ impl CustomOp3 for BiasGeluBwd {
 
 /// `y = gelu(x + b)` over one row.
 fn gelu_row<T: Elem>(y: &mut [T], x: &[T], b: &[T::F]) {
-    kiln_parallel::simd_dispatch!(gelu_row_avx512, gelu_row_impl, (y, x, b))
+    kiln_kernels::simd_dispatch!(gelu_row_avx512, gelu_row_impl, (y, x, b))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -346,7 +346,7 @@ fn gelu_row_impl<T: Elem>(y: &mut [T], x: &[T], b: &[T::F]) {
 
 /// `dx = dy gelu'(x + b)` over one row, added to the column sums `db`.
 fn gelu_grad_row<T: Elem>(dx: &mut [T], x: &[T], dy: &[T], b: &[T::F], db: &mut [T::F]) {
-    kiln_parallel::simd_dispatch!(gelu_grad_row_avx512, gelu_grad_row_impl, (dx, x, dy, b, db))
+    kiln_kernels::simd_dispatch!(gelu_grad_row_avx512, gelu_grad_row_impl, (dx, x, dy, b, db))
 }
 
 #[cfg(target_arch = "x86_64")]

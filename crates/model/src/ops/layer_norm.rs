@@ -1,11 +1,11 @@
 //! Layer normalisation over the last dimension, with gain and bias, and its backward.
 
 use crate::error::{ModelError, Result};
-use crate::kernel::{
-    contiguous, is_float, output_vec, par_rows, same_type, with_float_storage, Elem, Float,
-    FLOAT_DTYPES,
-};
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use kiln_kernels::custom_op::{
+    contiguous, is_float, output_vec, par_rows, same_type, Elem, Float, FLOAT_DTYPES,
+};
+use kiln_kernels::with_float_storage;
 
 /// `y = (x - mean) / sqrt(var + eps) * weight + bias` over the last dimension of `x`, with
 /// `weight` and `bias` of shape `[d]`, all of one float dtype (f32, f64, f16, bf16; half types
@@ -137,7 +137,7 @@ fn total<F: Float>(mut a: [F; LANES]) -> F {
 /// A row's mean and reciprocal standard deviation (`1 / sqrt(var + eps)`, the biased
 /// variance, two passes), each sum over [`LANES`] lanes.
 fn row_stats<T: Elem>(row: &[T], eps: T::F) -> (T::F, T::F) {
-    kiln_parallel::simd_dispatch!(row_stats_avx512, row_stats_impl, (row, eps))
+    kiln_kernels::simd_dispatch!(row_stats_avx512, row_stats_impl, (row, eps))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -183,7 +183,7 @@ fn widen<T: Elem>(v: &[T]) -> Vec<T::F> {
 
 /// `y = (x - mean) rstd w + b` over one row.
 fn ln_row<T: Elem>(y: &mut [T], x: &[T], w: &[T::F], b: &[T::F], mean: T::F, rstd: T::F) {
-    kiln_parallel::simd_dispatch!(ln_row_avx512, ln_row_impl, (y, x, w, b, mean, rstd))
+    kiln_kernels::simd_dispatch!(ln_row_avx512, ln_row_impl, (y, x, w, b, mean, rstd))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -301,7 +301,7 @@ fn bwd_row<T: Elem>(
     sums: (&mut [T::F], &mut [T::F]),
     xhat: &mut [T::F],
 ) {
-    kiln_parallel::simd_dispatch!(bwd_row_avx512, bwd_row_impl, (row, dx, sums, xhat))
+    kiln_kernels::simd_dispatch!(bwd_row_avx512, bwd_row_impl, (row, dx, sums, xhat))
 }
 
 #[cfg(target_arch = "x86_64")]

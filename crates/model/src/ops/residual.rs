@@ -2,8 +2,9 @@
 //! its backward can run from the segment's tape (see `kiln_memory::tape`).
 
 use crate::error::{ModelError, Result};
-use crate::kernel::{contiguous, same_type, with_float_storage, Elem};
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use kiln_kernels::custom_op::{contiguous, same_type, Elem};
+use kiln_kernels::with_float_storage;
 
 /// `x + y` for two tensors of one shape and float dtype: on the CPU one kiln op (bitwise
 /// candle's addition, forward and backward: each input gets the output's gradient), elsewhere

@@ -1,11 +1,11 @@
 //! Causal-masked softmax over the last dimension, and its backward.
 
 use crate::error::{ModelError, Result};
-use crate::kernel::{
-    contiguous, is_float, output_vec, par_rows, same_type, with_float_storage, Elem, Float,
-    FLOAT_DTYPES,
-};
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+use kiln_kernels::custom_op::{
+    contiguous, is_float, output_vec, par_rows, same_type, Elem, Float, FLOAT_DTYPES,
+};
+use kiln_kernels::with_float_storage;
 
 /// Causal softmax of attention scores `x` of shape `[.., tq, tk]` (`tq <= tk`): row `i` is a
 /// softmax over the positions `j <= i + (tk - tq)`; the masked positions are exactly zero.

@@ -8,14 +8,15 @@
 //! copied back to the logits' device; the loss itself is written straight to the device.
 
 use crate::error::{ParallelError, Result};
-use crate::tp::cpu_gemm::run_items;
 use crate::tp::linear::column_parallel_linear;
-use crate::tp::ops::{contiguous, reduce_from_tp_region, TpComm};
+use crate::tp::ops::{reduce_from_tp_region, TpComm};
 use crate::tp::sequence::reduce_scatter_to_sequence_parallel_region;
 use crate::tp::shard::{shard_vocab, vocab_range};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor, Var, WithDType};
 use kiln_comm::{CommElem, CommExt, ReduceOp};
+use kiln_kernels::custom_op::contiguous;
+use kiln_kernels::pool::run_items;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -161,7 +162,7 @@ impl Acc for f32 {
     /// The vectorising polynomial (relative error below 4e-7), as the dense kernels use.
     #[inline(always)]
     fn exp(self) -> Self {
-        crate::fastmath::exp_f32(self)
+        kiln_kernels::fastmath::exp_f32(self)
     }
     #[inline(always)]
     fn to_f64(self) -> f64 {
@@ -223,7 +224,7 @@ const LANES: usize = 16;
 
 /// The maximum of a row (NaN does not win, as in the dense kernel).
 fn max_of<T: Logit>(row: &[T]) -> T::A {
-    crate::simd_dispatch!(max_of_avx512, max_of_impl, (row))
+    kiln_kernels::simd_dispatch!(max_of_avx512, max_of_impl, (row))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -254,7 +255,7 @@ fn max_of_impl<T: Logit>(row: &[T]) -> T::A {
 
 /// `sum_j exp(row_j - m)`.
 fn exp_sum<T: Logit>(row: &[T], m: T::A) -> T::A {
-    crate::simd_dispatch!(exp_sum_avx512, exp_sum_impl, (row, m))
+    kiln_kernels::simd_dispatch!(exp_sum_avx512, exp_sum_impl, (row, m))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -639,7 +640,7 @@ struct VocabCrossEntropyBwd {
 
 /// `out_j = scale exp(row_j - lse)`.
 fn softmax_row<T: Logit>(row: &[T], out: &mut [MaybeUninit<T>], lse: T::A, scale: T::A) {
-    crate::simd_dispatch!(softmax_row_avx512, softmax_row_impl, (row, out, lse, scale))
+    kiln_kernels::simd_dispatch!(softmax_row_avx512, softmax_row_impl, (row, out, lse, scale))
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -12,7 +12,7 @@
 //! compute the same numbers (each reduction's order is fixed, whatever the tile or vector
 //! width); they differ from the portable one in rounding only.
 
-use crate::kernel::{output_vec, par_each, Elem, Float};
+use kiln_kernels::custom_op::{output_vec, par_each, Elem, Float};
 
 /// Query rows per block. The results do not depend on it (every sum runs over its terms in
 /// order, across blocks too). 32 rather than 16: the backward's key-side products (`dS^T q`,
@@ -145,7 +145,7 @@ fn simd() -> Simd {
     {
         let fma = std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("fma");
-        if fma && kiln_parallel::fastmath::has_avx512() {
+        if fma && kiln_kernels::fastmath::has_avx512() {
             return Simd::Avx512;
         }
         if fma {
@@ -716,7 +716,7 @@ fn gemm<F: Float, const FMA: bool, const X86: u8, const MR: usize, const NR: usi
             && match (as_f32(&ad[i0 * ars..]), as_f32_mut(ap)) {
                 // rows with their units adjacent (`q`, `dO`, `P`, `dS`): a transpose
                 (Some(a), Some(p)) => {
-                    kiln_parallel::fastmath::transpose_f32(a, (rows, k, ars), p, MR)
+                    kiln_kernels::fastmath::transpose_f32(a, (rows, k, ars), p, MR)
                 }
                 _ => false,
             }
@@ -802,7 +802,7 @@ fn transpose<T: Elem>(src: &[T], t: usize, dh: usize, rs: usize, dst: &mut Vec<T
     dst.resize(t * dh, <T::F as Float>::ZERO);
     // f32 rows need no widening: 8 x 8 blocks on the vector unit
     if let (Some(s), Some(d)) = (as_f32(src), as_f32_mut(dst)) {
-        if kiln_parallel::fastmath::transpose_f32(s, (t, dh, rs), d, t) {
+        if kiln_kernels::fastmath::transpose_f32(s, (t, dh, rs), d, t) {
             return;
         }
     }

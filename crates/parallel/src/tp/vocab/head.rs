@@ -2,12 +2,14 @@
 
 use super::{ce_stats, cross_entropy_over, CeStats, VocabCrossEntropyBwd};
 use crate::error::{ParallelError, Result};
-use crate::tp::dense::{bwd_tensors, linear_cpu, matmul_precision, MatmulPrecision};
+use crate::tp::linear::linear_cpu;
 use crate::tp::ops::{copy_to_tp_region, TpComm};
 use crate::tp::sequence::gather_from_sequence_parallel_region;
 use crate::tp::vocab::{vocab_parallel_cross_entropy, vocab_parallel_logits};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use kiln_kernels::dense::linear_backward;
+use kiln_kernels::{matmul_precision, MatmulPrecision};
 use std::sync::Arc;
 
 /// [`vocab_parallel_logits`] followed by [`vocab_parallel_cross_entropy`], as one node of the
@@ -167,7 +169,7 @@ impl CustomOp2 for HeadCrossEntropy {
             stats: self.stats.clone(),
             scale: self.stats.grad_scale(grad)?,
         })?;
-        let (dx, dw, _) = bwd_tensors(x, w, &dlogits, false, self.precision)?;
+        let (dx, dw, _) = linear_backward(x, w, &dlogits, false, self.precision)?;
         Ok((Some(dx), Some(dw)))
     }
 }

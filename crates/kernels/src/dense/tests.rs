@@ -13,6 +13,20 @@ fn grad<'a>(
         .ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))
 }
 
+/// The linear op applied to `x`, `weight` and `bias` as `kiln_parallel::tp::linear` applies
+/// it on the CPU, at this thread's precision.
+fn linear_cpu(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    match bias {
+        Some(b) => x.apply_op3(weight, &b.contiguous()?, LinearBias::new()),
+        None => x.apply_op2(weight, LinearNoBias::new()),
+    }
+}
+
+/// The row-parallel bias add as `kiln_parallel::tp` applies it.
+fn add_bias_cpu(y: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    y.contiguous()?.apply_op2(&b.contiguous()?, AddBias)
+}
+
 /// The bits of an f32 tensor's values, in order.
 fn bits(t: &Tensor) -> candle_core::Result<Vec<u32>> {
     Ok(t.flatten_all()?

@@ -7,7 +7,7 @@
 /// cross-entropy, softmax, GELU and attention kernels use it).
 ///
 /// ```
-/// let e = kiln_parallel::fastmath::exp_f32(1.0);
+/// let e = kiln_kernels::fastmath::exp_f32(1.0);
 /// assert!((e - std::f32::consts::E).abs() < 1e-6);
 /// ```
 #[inline(always)]
@@ -38,7 +38,7 @@ pub fn exp_f32(x: f32) -> f32 {
 /// at 65520 and beyond to infinity; NaN stays NaN.
 ///
 /// ```
-/// use kiln_parallel::fastmath::round_f16;
+/// use kiln_kernels::fastmath::round_f16;
 /// assert_eq!(round_f16(1.0 + 1.0 / 4096.0), 1.0);
 /// assert_eq!(round_f16(65504.0), 65504.0);
 /// assert_eq!(round_f16(-70000.0), f32::NEG_INFINITY);
@@ -199,7 +199,7 @@ pub(crate) unsafe fn transpose_8x8(src: *const f32, ss: usize, dst: *mut f32, ds
 ///
 /// ```
 /// fn double_all(x: &mut [f32]) {
-///     kiln_parallel::simd_dispatch!(double_all_avx512, double_all_impl, (x))
+///     kiln_kernels::simd_dispatch!(double_all_avx512, double_all_impl, (x))
 /// }
 /// #[cfg(target_arch = "x86_64")]
 /// #[target_feature(enable = "avx512f")]

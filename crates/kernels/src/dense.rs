@@ -1,5 +1,7 @@
-//! The CPU linear op: `y = x W^T + b` as one candle op with its own backward, on the gemm
-//! crate's kernels called directly.
+//! The CPU linear op, the matrix product every dense layer uses: `y = x W^T + b` as one candle
+//! op ([`LinearBias`], [`LinearNoBias`]) with its own backward, on kiln's AVX-512 kernels
+//! ([`crate::cpu_gemm`]) or the gemm crate's, called directly. `kiln_parallel::tp::linear`
+//! applies it to CPU tensors, and every linear layer of kiln's models goes through that.
 //!
 //! Built from candle's ops, a linear layer is five graph nodes (reshape, transpose, matmul,
 //! broadcast add, reshape); candle's backward gives each node's input a gradient buffer that
@@ -10,11 +12,13 @@
 //! fresh buffers (`dx = dy W`, `dW = dy^T x`, the transposes as strides) with the bias
 //! gradient as one pass of column sums: three gradients, each written once.
 //!
-//! f32 and bf16 use kiln's AVX-512 kernels ([`crate::tp::cpu_gemm`]: FMA for f32, the
+//! f32 and bf16 use kiln's AVX-512 kernels ([`crate::cpu_gemm`]: FMA for f32, the
 //! `avx512_bf16` dot product with f32 accumulation for bf16) where the CPU has them, gemm's
 //! kernels elsewhere (bf16 widened to f32); f64 and f16 use gemm's kernels of that type.
 
-use crate::tp::cpu_gemm::{self, Operands, Rounding};
+use crate::cpu_gemm::{self, Operands, Rounding};
+use crate::error::mismatch;
+use crate::KernelError;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor, WithDType};
 use half::{bf16, f16};
@@ -29,10 +33,10 @@ const OP: &str = "kiln-linear";
 /// their gradients and every other op stay f32. Where the CPU's `avx512_bf16` dot product
 /// outruns f32 FMA (twice its rate on AMD Zen 4) the operands are rounded as they are packed
 /// for it; elsewhere (Intel Xeons without AMX, where it runs at half FMA's rate) they are
-/// rounded as they are packed for the f32 kernel (see [`crate::tp::bf16_kernel`]). This is how kiln-model computes in bf16 on the CPU
-/// (see `GptOptions::compute_dtype`), where candle's element-wise bf16 kernels are slower than
-/// its f32 ones. [`MatmulPrecision::F16`] does the same with f16 operands (kiln-model's f16
-/// compute on the CPU). Tensors stored in bf16, f16 or f64 are multiplied in their own type
+/// rounded as they are packed for the f32 kernel (see [`crate::bf16_kernel`]). This is how
+/// kiln-model computes in bf16 on the CPU (see `GptOptions::compute_dtype`), where candle's
+/// element-wise bf16 kernels are slower than its f32 ones. [`MatmulPrecision::F16`] does the
+/// same with f16 operands (kiln-model's f16 compute on the CPU). Tensors stored in bf16, f16 or f64 are multiplied in their own type
 /// whatever the setting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MatmulPrecision {
@@ -61,14 +65,17 @@ thread_local! {
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
-/// use kiln_parallel::tp::{linear, with_matmul_precision, MatmulPrecision};
+/// use kiln_kernels::dense::LinearNoBias;
+/// use kiln_kernels::{with_matmul_precision, MatmulPrecision};
 /// let x = Tensor::new(&[[1.0f32 + 1.0 / 1024.0]], &Device::Cpu)?;
 /// let w = Tensor::new(&[[1.0f32]], &Device::Cpu)?;
-/// let exact = linear(&x, &w, None)?.to_vec2::<f32>()?[0][0];
-/// let rounded = with_matmul_precision(MatmulPrecision::Bf16, || linear(&x, &w, None))?;
+/// let exact = x.apply_op2(&w, LinearNoBias::new())?.to_vec2::<f32>()?[0][0];
+/// let rounded = with_matmul_precision(MatmulPrecision::Bf16, || {
+///     x.apply_op2(&w, LinearNoBias::new())
+/// })?;
 /// assert_eq!(exact, 1.0 + 1.0 / 1024.0);
 /// assert_eq!(rounded.to_vec2::<f32>()?[0][0], 1.0); // x rounded to bf16's 8 bits
-/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # Ok::<(), candle_core::Error>(())
 /// ```
 pub fn with_matmul_precision<R>(precision: MatmulPrecision, f: impl FnOnce() -> R) -> R {
     struct Restore(MatmulPrecision);
@@ -86,28 +93,64 @@ pub fn matmul_precision() -> MatmulPrecision {
     PRECISION.with(|p| p.get())
 }
 
-/// `x W^T (+ b)` for `x` `[rows, in]`, `weight` `[out, in]` and `bias` `[out]`, all CPU tensors
-/// of one float dtype; `x` and `weight` contiguous. f32 products follow this thread's
-/// [`matmul_precision`].
-pub(crate) fn linear_cpu(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-) -> candle_core::Result<Tensor> {
-    let precision = matmul_precision();
-    match bias {
-        Some(b) => {
-            kiln_memory::tape::apply_op3(x, weight, &b.contiguous()?, LinearBias { precision })
+/// The CPU linear op without a bias: `(x [.., in], weight [out, in]) -> x W^T` `[.., out]`, both
+/// CPU tensors of one float dtype and contiguous, f32 products at `precision` (read from
+/// [`matmul_precision`] when the op is built, so the backward uses the forward's). Its backward
+/// gives `x` and `weight` their gradients, each written once.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use kiln_kernels::dense::LinearNoBias;
+/// let x = Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?;
+/// let w = Tensor::new(&[[1f32, 0.], [1., 1.], [0., -1.]], &Device::Cpu)?; // [out 3, in 2]
+/// let y = x.apply_op2(&w, LinearNoBias::new())?;
+/// assert_eq!(y.to_vec2::<f32>()?, [[1., 3., -2.], [3., 7., -4.]]);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct LinearNoBias {
+    /// How f32 operands are multiplied.
+    pub precision: MatmulPrecision,
+}
+
+impl LinearNoBias {
+    /// The op at this thread's [`matmul_precision`].
+    pub fn new() -> Self {
+        Self {
+            precision: matmul_precision(),
         }
-        None => kiln_memory::tape::apply_op2(x, weight, LinearNoBias { precision }),
     }
 }
 
-struct LinearNoBias {
-    precision: MatmulPrecision,
+impl Default for LinearNoBias {
+    fn default() -> Self {
+        Self::new()
+    }
 }
-struct LinearBias {
-    precision: MatmulPrecision,
+
+/// The CPU linear op with a bias: `(x [.., in], weight [out, in], bias [out]) -> x W^T + b`,
+/// the bias written into the output first and the product accumulated onto it; otherwise as
+/// [`LinearNoBias`], the backward also giving the bias its gradient (column sums, rows in
+/// order).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearBias {
+    /// How f32 operands are multiplied.
+    pub precision: MatmulPrecision,
+}
+
+impl LinearBias {
+    /// The op at this thread's [`matmul_precision`].
+    pub fn new() -> Self {
+        Self {
+            precision: matmul_precision(),
+        }
+    }
+}
+
+impl Default for LinearBias {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// The sizes of one product, checked against the layouts.
@@ -124,9 +167,13 @@ fn dims(lx: &Layout, lw: &Layout, lb: Option<&Layout>) -> candle_core::Result<Di
     let inf = match xd.last() {
         Some(&inf) if inf == inw => inf,
         _ => {
-            return Err(candle_core::Error::msg(format!(
-                "{OP}: x is {xd:?} but the weight is [{outf}, {inw}]"
-            )))
+            return Err(KernelError::Shape {
+                op: OP,
+                what: "x",
+                expected: format!("[.., {inw}] for a weight of shape [{outf}, {inw}]"),
+                got: format!("{xd:?}"),
+            }
+            .into())
         }
     };
     let rows = lx
@@ -136,20 +183,23 @@ fn dims(lx: &Layout, lw: &Layout, lb: Option<&Layout>) -> candle_core::Result<Di
         .unwrap_or_else(|| xd[..xd.len() - 1].iter().product());
     if let Some(lb) = lb {
         if lb.shape().dims() != [outf] {
-            return Err(candle_core::Error::msg(format!(
-                "{OP}: bias is {:?}, expected [{outf}]",
-                lb.shape().dims()
-            )));
+            return Err(KernelError::Shape {
+                op: OP,
+                what: "bias",
+                expected: format!("[{outf}]"),
+                got: format!("{:?}", lb.shape().dims()),
+            }
+            .into());
         }
     }
     Ok(Dims { rows, inf, outf })
 }
 
-/// The contiguous elements `l` addresses ([`crate::tp::ops::contiguous`]), the error naming
+/// The contiguous elements `l` addresses ([`crate::custom_op::contiguous`]), the error naming
 /// which input was strided.
-fn slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> candle_core::Result<&'a [T]> {
-    crate::tp::ops::contiguous(data, l, OP)
-        .map_err(|_| candle_core::Error::msg(format!("{OP}: {what} must be contiguous")))
+fn slice<'a, T>(data: &'a [T], l: &Layout, what: &'static str) -> candle_core::Result<&'a [T]> {
+    crate::custom_op::contiguous(data, l, OP)
+        .map_err(|_| KernelError::NotContiguous { op: OP, what }.into())
 }
 
 /// A matrix operand: a pointer's worth of elements with its row and column strides.
@@ -269,9 +319,10 @@ fn matmul_prec<T: DenseElem>(
     precision: MatmulPrecision,
 ) -> candle_core::Result<()> {
     if dst.len() < m * n || !covers(&a, m, k) || !covers(&b, k, n) {
-        return Err(candle_core::Error::msg(format!(
-            "{OP}: operands do not cover a {m} x {k} by {k} x {n} product"
-        )));
+        return Err(mismatch(
+            OP,
+            format!("operands do not cover a {m} x {k} by {k} x {n} product"),
+        ));
     }
     match precision {
         MatmulPrecision::Highest => {}
@@ -551,10 +602,13 @@ fn backward<T: DenseElem>(
 ) -> candle_core::Result<(Vec<T>, Vec<T>, Option<Vec<T>>)> {
     let Dims { rows, inf, outf } = d;
     if dy.len() != rows * outf {
-        return Err(candle_core::Error::msg(format!(
-            "{OP}: the output gradient has {} elements, expected {rows} x {outf}",
-            dy.len()
-        )));
+        return Err(KernelError::Shape {
+            op: OP,
+            what: "the output gradient",
+            expected: format!("{rows} x {outf} elements"),
+            got: format!("{} elements", dy.len()),
+        }
+        .into());
     }
     let db = bias.then(|| column_sums(dy, outf));
     // where the kernel cannot round as it packs (no AVX-512), rounded copies: `dy` feeds both
@@ -629,13 +683,15 @@ macro_rules! dispatch {
 }
 
 /// The slice of `s`, which must hold `T`.
-fn typed<'a, T: WithDType>(s: &'a CpuStorage, what: &str) -> candle_core::Result<&'a [T]> {
+fn typed<'a, T: WithDType>(s: &'a CpuStorage, what: &'static str) -> candle_core::Result<&'a [T]> {
     T::cpu_storage_as_slice(s).map_err(|_| {
-        candle_core::Error::msg(format!(
-            "{OP}: {what} is {:?}, expected {:?} like x",
-            s.dtype(),
-            T::DTYPE
-        ))
+        KernelError::Dtype {
+            op: OP,
+            what,
+            expected: "the dtype of x",
+            got: s.dtype(),
+        }
+        .into()
     })
 }
 
@@ -672,15 +728,27 @@ fn out_shape(lx: &Layout, outf: usize) -> Shape {
 /// The CPU storage of a tensor, contiguous.
 fn cpu_of(t: &Tensor) -> candle_core::Result<Tensor> {
     if !t.device().is_cpu() {
-        return Err(candle_core::Error::msg(format!(
-            "{OP}: a CPU op got a device tensor"
-        )));
+        return Err(not_cpu(t.device()));
     }
     t.contiguous()
 }
 
+/// A device tensor given to a CPU op.
+fn not_cpu(dev: &candle_core::Device) -> candle_core::Error {
+    KernelError::Device {
+        op: OP,
+        expected: "CPU tensors",
+        got: format!("a tensor on {:?}", dev.location()),
+    }
+    .into()
+}
+
+/// The gradients of the linear op's inputs `(dx, dW, db)` for the output gradient `grad`:
+/// `dx = grad W`, `dW = grad^T x`, `db` (with `bias`) the column sums of `grad`, the products at
+/// `precision`. For ops that hold a product's output gradient themselves (a fused head and
+/// loss).
 #[allow(clippy::type_complexity)]
-pub(crate) fn bwd_tensors(
+pub fn linear_backward(
     x: &Tensor,
     w: &Tensor,
     grad: &Tensor,
@@ -693,9 +761,7 @@ pub(crate) fn bwd_tensors(
     let (sw, lw) = w.storage_and_layout();
     let (sg, lg) = grad.storage_and_layout();
     let (Storage::Cpu(sx), Storage::Cpu(sw), Storage::Cpu(sg)) = (&*sx, &*sw, &*sg) else {
-        return Err(candle_core::Error::msg(format!(
-            "{OP}: a CPU op got a device tensor"
-        )));
+        return Err(not_cpu(x.device()));
     };
     let d = dims(lx, lw, None)?;
     let dev = x.device();
@@ -738,7 +804,7 @@ impl CustomOp2 for LinearNoBias {
         _y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = bwd_tensors(x, w, grad, false, self.precision)?;
+        let (dx, dw, _) = linear_backward(x, w, grad, false, self.precision)?;
         Ok((Some(dx), Some(dw)))
     }
 }
@@ -768,13 +834,13 @@ impl CustomOp3 for LinearBias {
         _y: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = bwd_tensors(x, w, grad, true, self.precision)?;
+        let (dx, dw, db) = linear_backward(x, w, grad, true, self.precision)?;
         Ok((Some(dx), Some(dw), db))
     }
 }
 
 mod bias;
-pub(crate) use bias::add_bias_cpu;
+pub use bias::AddBias;
 use bias::{bias_rows, column_sums};
 
 #[cfg(test)]

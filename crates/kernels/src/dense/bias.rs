@@ -1,8 +1,9 @@
 //! Bias gradients: the column sums of an output gradient (parallel strips, rows in order),
 //! and the row-parallel bias add as one op whose backward is those sums.
 
-use super::{cpu_of, slice, typed, DenseElem, OP};
-use crate::tp::cpu_gemm;
+use super::{cpu_of, not_cpu, slice, typed, DenseElem, OP};
+use crate::pool;
+use crate::KernelError;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor};
 use half::{bf16, f16};
@@ -17,9 +18,9 @@ pub(super) fn column_sums<T: DenseElem>(dy: &[T], n: usize) -> Vec<T> {
     let mut out = vec![T::from_f(0.0); n];
     // strips of columns in parallel, each summing its rows in order: the same sums
     let strip = COLUMN_STRIP.min(n);
-    let strips = cpu_gemm::slots(&mut out, strip);
-    cpu_gemm::run_items(strips.len(), strip * rows, |i| {
-        let Some(dst) = cpu_gemm::take(&strips[i]) else {
+    let strips = pool::slots(&mut out, strip);
+    pool::run_items(strips.len(), strip * rows, |i| {
+        let Some(dst) = pool::take(&strips[i]) else {
             return;
         };
         let c0 = i * strip;
@@ -49,8 +50,8 @@ pub(super) fn bias_rows<T: Copy + Send + Sync>(b: &[T], rows: usize) -> Vec<T> {
     let len = rows * n;
     let mut y: Vec<T> = Vec::with_capacity(len);
     {
-        let blocks = cpu_gemm::slots(&mut y.spare_capacity_mut()[..len], BIAS_ROWS * n);
-        cpu_gemm::for_each_slot(&blocks, BIAS_ROWS * n, |_, dst| {
+        let blocks = pool::slots(&mut y.spare_capacity_mut()[..len], BIAS_ROWS * n);
+        pool::for_each_slot(&blocks, BIAS_ROWS * n, |_, dst| {
             for row in dst.chunks_exact_mut(n) {
                 for (d, &v) in row.iter_mut().zip(b) {
                     d.write(v);
@@ -67,15 +68,13 @@ pub(super) fn bias_rows<T: Copy + Send + Sync>(b: &[T], rows: usize) -> Vec<T> {
 /// Rows one task of [`bias_rows`] fills.
 const BIAS_ROWS: usize = 64;
 
-/// `y + b` over the last dimension of `y` (`b` `[n]`, both CPU tensors of one float dtype):
-/// one op whose backward passes the gradient on to `y` and sums its columns for `b`, rows in
-/// order, where candle's broadcast add reduces over the leading dimensions with a strided sum
-/// (3% of the main job's step). The forward is candle's element for element.
-pub(crate) fn add_bias_cpu(y: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
-    kiln_memory::tape::apply_op2(&y.contiguous()?, &b.contiguous()?, AddBias)
-}
-
-struct AddBias;
+/// `y + b` over the last dimension of `y` (`(y [.., n], b [n])`, CPU tensors of one float
+/// dtype, contiguous): the forward is candle's broadcast add element for element; the backward
+/// passes the gradient on to `y` and sums its columns for `b`, rows in order, where candle's
+/// broadcast add reduces over the leading dimensions with a strided sum (3% of the main job's
+/// step). The row-parallel layer's bias, added after the all-reduce.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AddBias;
 
 impl CustomOp2 for AddBias {
     fn name(&self) -> &'static str {
@@ -91,11 +90,13 @@ impl CustomOp2 for AddBias {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let n = l2.shape().elem_count();
         if l2.dims().len() != 1 || l1.dims().last() != Some(&n) || n == 0 {
-            return Err(candle_core::Error::msg(format!(
-                "{OP}: bias {:?} does not match the last dimension of {:?}",
-                l2.dims(),
-                l1.dims()
-            )));
+            return Err(KernelError::Shape {
+                op: OP,
+                what: "bias",
+                expected: format!("[n] for y of shape {:?}", l1.dims()),
+                got: format!("{:?}", l2.dims()),
+            }
+            .into());
         }
         dispatch!(s1, |ys: T| {
             let y = slice(ys, l1, "y")?;
@@ -119,9 +120,7 @@ impl CustomOp2 for AddBias {
         let g = cpu_of(&grad.to_dtype(b.dtype())?)?;
         let (sg, lg) = g.storage_and_layout();
         let Storage::Cpu(sg) = &*sg else {
-            return Err(candle_core::Error::msg(format!(
-                "{OP}: a CPU op got a device tensor"
-            )));
+            return Err(not_cpu(g.device()));
         };
         let db = dispatch!(sg, |gs: T| {
             let gv = slice(gs, lg, "the output gradient")?;

@@ -4,7 +4,7 @@
 #[cfg(target_arch = "x86_64")]
 use super::kernel;
 use super::{has_bf16_dot, Rounding, DIRECT_B_MAX_ROWS, MR, NR, PACK_BLOCK};
-use crate::tp::dense::Mat;
+use crate::dense::Mat;
 use half::bf16;
 use std::mem::MaybeUninit;
 

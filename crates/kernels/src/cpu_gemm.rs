@@ -12,7 +12,7 @@
 //! only where its rows are contiguous. bf16 operands come from bf16 tensors as they are, or
 //! from f32 tensors rounded to nearest even (`vcvtneps2bf16`) as they are packed: f32 storage
 //! with bf16 products, the hardware's double rate where it has one (see [`bf16_kernel`] and
-//! [`crate::tp::MatmulPrecision`]). Accumulation is f32; a bf16 result is rounded once at the
+//! [`crate::MatmulPrecision`]). Accumulation is f32; a bf16 result is rounded once at the
 //! end.
 //!
 //! Work items (24 to 96 rows each) are shared out over candle's worker pool. Every output
@@ -23,8 +23,8 @@
 //! Without AVX-512 (checked once at run time) f32 goes to gemm's kernels, and bf16 widens to
 //! f32 first, as candle does.
 
+use crate::dense::Mat;
 use crate::fastmath::has_avx512;
-use crate::tp::dense::Mat;
 use half::bf16;
 use half::slice::HalfFloatSliceExt;
 use std::mem::MaybeUninit;
@@ -333,7 +333,7 @@ pub(crate) fn gemm_bf16(
 }
 
 /// `dst = a b` (`+=` with `accumulate`) for f32 tensors with both operands rounded to bf16
-/// and the products accumulated in f32 (see [`crate::tp::MatmulPrecision::Bf16`]), on the
+/// and the products accumulated in f32 (see [`crate::MatmulPrecision::Bf16`]), on the
 /// dot-product kernel where the CPU has it (the caller chose it: [`bf16_kernel`]).
 pub(crate) fn gemm_f32_bf16(
     dst: &mut [f32],
@@ -399,7 +399,7 @@ fn widened<A: Operand, O: Output>(
     let wide = |x: &Mat<'_, A>| -> Vec<f32> { x.data.iter().map(|v| v.bf16_value()).collect() };
     let (aw, bw) = (wide(&a), wide(&b));
     let mut out = vec![0f32; m * n];
-    let ok = crate::tp::dense::matmul_into(
+    let ok = crate::dense::matmul_into(
         &mut out,
         false,
         (m, n, k),
@@ -425,9 +425,9 @@ mod pack;
 use pack::{Bits, Packing};
 
 mod items;
+use crate::pool::{for_each_slot, pool_threads, run_items, slots, take};
 #[cfg(test)]
 use items::A_ITEM_BYTES;
-pub(crate) use items::{for_each_slot, pool_threads, run_items, slots, take};
 use items::{item_panels, slots_at};
 
 /// The blocked product: `B` packed once (in parallel), then work items of 16 to 64 rows, each

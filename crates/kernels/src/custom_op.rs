@@ -1,14 +1,36 @@
-//! Shared machinery of the fused CPU kernels: element types, contiguous access, row-parallel
-//! loops on candle's own worker pool.
+//! The helpers every CPU side of a candle custom op here (and the tensor-parallel collectives of
+//! kiln-parallel) is written with: element types and the arithmetic type they compute in
+//! ([`Elem`], [`Float`]), contiguous access ([`contiguous`], [`same_type`]), a match over the
+//! float storages ([`with_float_storage!`](crate::with_float_storage),
+//! [`map_float_storage!`](crate::map_float_storage)), and row-parallel loops on candle's own
+//! worker pool ([`par_rows`], [`par_each`], [`output_vec`]).
+//!
+//! ```
+//! use candle_core::{CpuStorage, Layout};
+//! use kiln_kernels::custom_op::{contiguous, Elem};
+//! fn doubled<T: Elem>(x: &[T]) -> Vec<T> {
+//!     x.iter().map(|&e| T::store(e.load() + e.load())).collect()
+//! }
+//! // the CPU forward of a "double it" op, for every float dtype
+//! fn double(s: &CpuStorage, l: &Layout) -> candle_core::Result<CpuStorage> {
+//!     kiln_kernels::with_float_storage!(s, "double", |v| {
+//!         Ok(Elem::into_storage(doubled(contiguous(v, l, "double")?)))
+//!     })
+//! }
+//! let out = double(&CpuStorage::F32(vec![1.0, -2.5]), &Layout::contiguous(2))?;
+//! assert!(matches!(out, CpuStorage::F32(v) if v == [2.0, -5.0]));
+//! # Ok::<(), candle_core::Error>(())
+//! ```
 
+use crate::fastmath::exp_f32;
+use crate::KernelError;
 use candle_core::{CpuStorage, DType, Layout};
 use half::{bf16, f16};
-use kiln_parallel::fastmath::exp_f32;
 use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
 use std::sync::Mutex;
 
 /// The arithmetic type kernels compute in: f32 for f32/f16/bf16 storage, f64 for f64.
-pub(crate) trait Float:
+pub trait Float:
     Copy
     + Send
     + Sync
@@ -21,13 +43,21 @@ pub(crate) trait Float:
     + AddAssign
     + 'static
 {
+    /// 0.
     const ZERO: Self;
+    /// 1.
     const ONE: Self;
+    /// Minus infinity.
     const NEG_INFINITY: Self;
+    /// `v` rounded to this type.
     fn from_f64(v: f64) -> Self;
+    /// This value, exactly, as f64.
     fn to_f64(self) -> f64;
+    /// The natural logarithm.
     fn ln(self) -> Self;
+    /// The square root.
     fn sqrt(self) -> Self;
+    /// The larger of the two (the other where one is NaN).
     fn max(self, other: Self) -> Self;
     /// `self * a + b` with one rounding (the standard library's `mul_add`): a single
     /// instruction only where the caller was compiled with FMA, a slow library call elsewhere.
@@ -84,12 +114,15 @@ macro_rules! impl_float {
 impl_float!(f32, exp_f32, |x: f32| 1.0 - 2.0 / (exp_f32(2.0 * x) + 1.0));
 impl_float!(f64, f64::exp, f64::tanh);
 
-/// A storage element type the fused kernels accept.
-pub(crate) trait Elem: Copy + Send + Sync + 'static {
+/// A storage element type the fused kernels accept: f32, f64, f16, bf16.
+pub trait Elem: Copy + Send + Sync + 'static {
     /// The type arithmetic happens in.
     type F: Float;
+    /// The value, widened to the arithmetic type.
     fn load(self) -> Self::F;
+    /// `v` rounded to the storage type (to nearest even).
     fn store(v: Self::F) -> Self;
+    /// Candle storage holding `v`.
     fn into_storage(v: Vec<Self>) -> CpuStorage;
 }
 
@@ -150,47 +183,81 @@ impl Elem for bf16 {
     }
 }
 
-/// The float dtypes the fused ops accept.
-pub(crate) const FLOAT_DTYPES: &str = "f32, f64, f16 or bf16";
+/// The float dtypes the fused ops accept, as error messages name them.
+pub const FLOAT_DTYPES: &str = "f32, f64, f16 or bf16";
 
-pub(crate) fn is_float(dtype: DType) -> bool {
+/// Whether the fused ops accept `dtype` ([`FLOAT_DTYPES`]).
+pub fn is_float(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
 }
 
-/// The contiguous elements a layout covers.
-pub(crate) fn contiguous<'a, T>(
+/// The contiguous elements `layout` addresses in `data`; a strided layout is an error naming
+/// `op` ([`KernelError::NotContiguous`]).
+pub fn contiguous<'a, T>(
     data: &'a [T],
     layout: &Layout,
     op: &'static str,
 ) -> candle_core::Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((start, end)) if end <= data.len() => Ok(&data[start..end]),
-        _ => Err(candle_core::Error::msg(format!(
-            "{op}: the kernel needs a contiguous input (the wrapper makes it so)"
-        ))),
-    }
+    layout
+        .contiguous_offsets()
+        .and_then(|(a, b)| data.get(a..b))
+        .ok_or_else(|| KernelError::NotContiguous { op, what: "input" }.into())
 }
 
-/// Runs a generic kernel body for each float storage variant, binding the slice to `$v`;
-/// other dtypes are an error naming `$op`.
+/// Runs a generic kernel body for each float variant of a `CpuStorage` (f32, f64, f16,
+/// bf16), binding the slice to `$v`; the body's value is the macro's, and another dtype is a
+/// candle `UnsupportedDTypeForOp` error naming `$op`.
+#[macro_export]
 macro_rules! with_float_storage {
     ($storage:expr, $op:expr, |$v:ident| $body:expr) => {
         match $storage {
-            candle_core::CpuStorage::F32($v) => $body,
-            candle_core::CpuStorage::F64($v) => $body,
-            candle_core::CpuStorage::F16($v) => $body,
-            candle_core::CpuStorage::BF16($v) => $body,
-            other => Err(candle_core::Error::UnsupportedDTypeForOp(
-                candle_core::backend::BackendStorage::dtype(other),
-                $op,
-            )),
+            $crate::__private::candle_core::CpuStorage::F32($v) => $body,
+            $crate::__private::candle_core::CpuStorage::F64($v) => $body,
+            $crate::__private::candle_core::CpuStorage::F16($v) => $body,
+            $crate::__private::candle_core::CpuStorage::BF16($v) => $body,
+            other => Err(
+                $crate::__private::candle_core::Error::UnsupportedDTypeForOp(
+                    $crate::__private::candle_core::backend::BackendStorage::dtype(other),
+                    $op,
+                ),
+            ),
         }
     };
 }
-pub(crate) use with_float_storage;
+
+/// Runs `$body` on the typed vector of a float `CpuStorage` and wraps the vector it evaluates
+/// to back into storage of the same dtype; another dtype returns (from the enclosing
+/// function) a candle `UnsupportedDTypeForOp` error naming `$op`.
+#[macro_export]
+macro_rules! map_float_storage {
+    ($s:expr, $op:expr, |$v:ident| $body:expr) => {
+        match $s {
+            $crate::__private::candle_core::CpuStorage::F32($v) => {
+                $crate::__private::candle_core::CpuStorage::F32($body)
+            }
+            $crate::__private::candle_core::CpuStorage::F64($v) => {
+                $crate::__private::candle_core::CpuStorage::F64($body)
+            }
+            $crate::__private::candle_core::CpuStorage::F16($v) => {
+                $crate::__private::candle_core::CpuStorage::F16($body)
+            }
+            $crate::__private::candle_core::CpuStorage::BF16($v) => {
+                $crate::__private::candle_core::CpuStorage::BF16($body)
+            }
+            other => {
+                return Err(
+                    $crate::__private::candle_core::Error::UnsupportedDTypeForOp(
+                        $crate::__private::candle_core::backend::BackendStorage::dtype(other),
+                        $op,
+                    ),
+                )
+            }
+        }
+    };
+}
 
 /// The slice of `storage`, which must hold the same element type as `_like`.
-pub(crate) fn same_type<'a, T: Elem>(
+pub fn same_type<'a, T: Elem>(
     _like: &[T],
     storage: &'a CpuStorage,
     op: &'static str,
@@ -210,7 +277,11 @@ pub(crate) fn same_type<'a, T: Elem>(
     any.downcast_ref::<Vec<T>>()
         .map(|v| v.as_slice())
         .ok_or_else(|| {
-            candle_core::Error::msg(format!("{op}: all float inputs must share one dtype"))
+            KernelError::Mismatch {
+                op,
+                reason: "all float inputs must share one dtype".into(),
+            }
+            .into()
         })
 }
 
@@ -223,7 +294,7 @@ const CHUNK_WORK: usize = 32 * 1024;
 /// each, on candle's worker pool when the total work is large, and returns the results in
 /// chunk order. The chunking depends only on the sizes, never on the thread count, so any
 /// reduction over the results is deterministic.
-pub(crate) fn par_rows<T, R, F>(
+pub fn par_rows<T, R, F>(
     out: &mut [T],
     row_len: usize,
     work_per_row: usize,
@@ -267,14 +338,20 @@ where
         .into_iter()
         .map(|m| m.into_inner().ok().flatten())
         .collect::<Option<Vec<R>>>()
-        .ok_or_else(|| candle_core::Error::msg("fused kernel: a worker chunk did not complete"))
+        .ok_or_else(|| {
+            KernelError::Internal {
+                op: "fused kernel",
+                reason: "a worker chunk did not complete".into(),
+            }
+            .into()
+        })
 }
 
 /// Runs `f(state, index, item)` once for each item, on candle's worker pool when there are
 /// several items and the total work (in element-operations) is large; each run of consecutive
 /// items on one worker shares one `state` from `init` (scratch buffers). For kernels whose
 /// tasks write several disjoint outputs: the items hold each task's `&mut` slices.
-pub(crate) fn par_each<I, S, F>(
+pub fn par_each<I, S, F>(
     items: Vec<I>,
     work_per_item: usize,
     init: impl Fn() -> S + Sync,
@@ -306,14 +383,16 @@ where
     if done.into_inner() == n {
         Ok(())
     } else {
-        Err(candle_core::Error::msg(
-            "fused kernel: a worker task did not complete",
-        ))
+        Err(KernelError::Internal {
+            op: "fused kernel",
+            reason: "a worker task did not complete".into(),
+        }
+        .into())
     }
 }
 
 /// A `Vec` of `n` elements to be fully overwritten by a kernel.
-pub(crate) fn output_vec<T: Elem>(n: usize) -> Vec<T> {
+pub fn output_vec<T: Elem>(n: usize) -> Vec<T> {
     let zero = T::store(<T::F as Float>::ZERO);
     if n < PAR_MIN_WORK {
         return vec![zero; n];
@@ -338,7 +417,7 @@ pub(crate) fn output_vec<T: Elem>(n: usize) -> Vec<T> {
 mod tests {
     use super::*;
 
-    /// `fast_tanh` against f64 (its `exp` is tested in `kiln_parallel::fastmath`).
+    /// `fast_tanh` against f64 (its `exp` is tested in `crate::fastmath`).
     #[test]
     fn fast_tanh_against_f64() {
         let mut worst = 0f64;
