@@ -80,15 +80,14 @@ pub enum KernelError {
         /// The vocabulary size.
         vocab: usize,
     },
-    /// A size does not fit what a CUDA kernel's launch takes (a 32-bit count).
-    #[error("{op}: size {size} does not fit the kernel's {limit}")]
-    TooLarge {
+    /// A CUDA kernel cannot run as asked (a size past what one launch takes, an input it does
+    /// not accept).
+    #[error("{op} (cuda): {reason}")]
+    Cuda {
         /// The op.
         op: &'static str,
-        /// The size.
-        size: usize,
-        /// What it must fit.
-        limit: &'static str,
+        /// What is wrong, with the values.
+        reason: String,
     },
     /// The op itself failed: a worker's task did not run, state the backward needs is
     /// missing, a lock was poisoned.

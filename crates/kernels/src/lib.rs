@@ -5,6 +5,13 @@
 //!   ([`dense::LinearBias`], [`dense::LinearNoBias`]) with its backward, at the thread's
 //!   [`MatmulPrecision`] (PyTorch's `set_float32_matmul_precision`); its products run on
 //!   [`cpu_gemm`], kiln's AVX-512 f32 and bf16 kernels (the gemm crate's elsewhere).
+//! - [`ops`]: the fused ops' kernels, forward and backward: layer norm, causal softmax, causal
+//!   attention (also straight from a packed QKV projection), GELU with and without a fused
+//!   bias, cross-entropy, the residual add, and the vocab-parallel cross-entropy's row
+//!   statistics with the LM head fused into its loss.
+//! - `cuda` (feature `cuda`): kiln's CUDA kernels (`src/cuda/*.cu`, compiled to PTX by this
+//!   crate's build script) and their launchers: the fused ops, and the data-parallel engine's
+//!   optimizer step over flat device buffers (AdamW, gradient accumulation, norms, clipping).
 //! - [`fastmath`]: a vectorising `exp`, f16 and bf16 rounding, block transposes, and
 //!   [`simd_dispatch!`], which runs an AVX-512 copy of a loop where the CPU has it.
 //! - [`custom_op`]: what a candle custom op's CPU side is written with (element types,
@@ -31,10 +38,13 @@
 #![deny(missing_docs)]
 
 pub mod cpu_gemm;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod custom_op;
 pub mod dense;
 mod error;
 pub mod fastmath;
+pub mod ops;
 pub mod pool;
 
 pub use cpu_gemm::{bf16_kernel, Bf16Kernel};

@@ -23,7 +23,7 @@
 #![deny(missing_docs)]
 
 #[cfg(feature = "cuda")]
-pub mod cuda;
+mod cuda;
 mod dims;
 mod engine;
 mod error;

@@ -1,6 +1,7 @@
 //! Tests of the parent module.
 
 use super::*;
+use crate::cpu_gemm;
 use candle_core::{DType, Device, Var};
 
 /// The gradient of `v` in `g`, an error naming `what` where there is none.

@@ -55,8 +55,6 @@ mod linear;
 mod ops;
 mod sequence;
 mod shard;
-#[cfg(feature = "cuda")]
-mod staging;
 mod vocab;
 
 /// The precision [`linear`]'s CPU products follow, per thread, and the bf16 kernel this CPU

@@ -134,7 +134,7 @@ impl CustomOp1 for AllReduce {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 }
 
@@ -161,7 +161,7 @@ impl CustomOp1 for CopyToTp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -203,7 +203,7 @@ impl CustomOp1 for ReduceFromTp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -235,7 +235,7 @@ impl CustomOp1 for GatherFromTp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -271,7 +271,7 @@ impl CustomOp1 for ScatterToTp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {

@@ -173,7 +173,7 @@ impl CustomOp1 for SeqOp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {

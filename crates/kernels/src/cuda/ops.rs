@@ -1,73 +1,15 @@
-//! The CUDA side of the fused ops (feature `cuda`): `kernels/ops.cu`, compiled to PTX by
-//! build.rs and loaded once per device, launched from each op's `cuda_fwd`. f32, f16 and bf16
-//! (half types computed in f32, as on the CPU); inputs must be contiguous, as the ops' front
-//! ends make them.
+//! The launchers of `ops.cu`: layer norm, causal softmax, GELU (plain and with a bias),
+//! cross-entropy, forward and backward.
 
+use super::{block_for, by_dtype, cfg, elementwise, err, input, int, output, wrap};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::CudaFunction;
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
-};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaView, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, WithDType};
 
 /// The kernels, as PTX for the compute capability the build was configured for.
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kiln_model_ops.ptx"));
-const MODULE: &str = "kiln_model_ops";
-
-/// A storage type the kernels take.
-pub(crate) trait KernelElem: CudaDType + DeviceRepr + ValidAsZeroBits + WithDType {}
-impl KernelElem for f32 {}
-impl KernelElem for half::f16 {}
-impl KernelElem for half::bf16 {}
-
-/// Runs `$body` with the type alias `$t` bound to the Rust type of `$dtype` (f32, f16, bf16).
-macro_rules! by_dtype {
-    ($dtype:expr, $op:expr, $t:ident => $body:expr) => {
-        match $dtype {
-            candle_core::DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            candle_core::DType::F16 => {
-                type $t = half::f16;
-                $body
-            }
-            candle_core::DType::BF16 => {
-                type $t = half::bf16;
-                $body
-            }
-            other => Err(candle_core::Error::UnsupportedDTypeForOp(other, $op)),
-        }
-    };
-}
-pub(crate) use by_dtype;
-
-pub(crate) fn err(op: &str, msg: impl std::fmt::Display) -> candle_core::Error {
-    candle_core::Error::msg(format!("{op} (cuda): {msg}"))
-}
-
-/// The contiguous part of `s` that `l` describes, as `T`.
-pub(crate) fn input<'a, T: KernelElem>(
-    s: &'a CudaStorage,
-    l: &Layout,
-    op: &str,
-) -> Result<CudaView<'a, T>> {
-    let slice = s.as_cuda_slice::<T>()?;
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| err(op, "input is not contiguous"))?;
-    Ok(slice.slice(a..b))
-}
-
-/// The u32 targets of a cross-entropy.
-fn targets<'a>(s: &'a CudaStorage, l: &Layout, op: &str) -> Result<CudaView<'a, u32>> {
-    let slice = s.as_cuda_slice::<u32>()?;
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| err(op, "targets are not contiguous"))?;
-    Ok(slice.slice(a..b))
-}
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kiln_kernels_ops.ptx"));
+const MODULE: &str = "kiln_kernels_ops";
 
 fn func(dev: &CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
     plain_func(dev, &format!("{name}_{}", dtype.as_str()))
@@ -79,41 +21,13 @@ fn plain_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
         .into_cuda_function())
 }
 
-/// Threads per block for rows of `len` elements: a multiple of 32, at most 1024.
-fn block_for(len: usize) -> u32 {
-    (len.div_ceil(32) * 32).clamp(32, 1024) as u32
-}
-
-fn cfg(op: &str, grid: usize, block: u32) -> Result<LaunchConfig> {
-    let grid = u32::try_from(grid).map_err(|_| err(op, format!("{grid} blocks is too many")))?;
-    Ok(LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    })
-}
-
-/// One thread per element.
-fn elementwise(op: &str, len: usize) -> Result<LaunchConfig> {
-    cfg(op, len.div_ceil(256), 256)
-}
-
-pub(crate) fn int(op: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| err(op, format!("size {v} does not fit the kernel's int")))
-}
-
-/// A fresh device buffer every element of which the kernel writes.
-pub(crate) fn output<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
-    // SAFETY: every launch below writes all `len` elements before anything reads them.
-    unsafe { dev.alloc::<T>(len) }
-}
-
-pub(crate) fn wrap<T: KernelElem>(
-    out: CudaSlice<T>,
-    dev: &CudaDevice,
-    shape: Shape,
-) -> (CudaStorage, Shape) {
-    (CudaStorage::wrap_cuda_slice(out, dev.clone()), shape)
+/// The u32 targets of a cross-entropy.
+fn targets<'a>(s: &'a CudaStorage, l: &Layout, op: &'static str) -> Result<CudaView<'a, u32>> {
+    let slice = s.as_cuda_slice::<u32>()?;
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| err(op, "targets are not contiguous"))?;
+    Ok(slice.slice(a..b))
 }
 
 /// `layer_norm` forward: `(x [n, d], w [d], b [d]) -> y`.

@@ -1,8 +1,7 @@
-// Shared by the build scripts of the crates with CUDA kernels (`include!`d from their
-// build.rs): compiles each kernel source with nvcc to PTX for the compute capability in
-// `CUDA_COMPUTE_CAP` (as candle's own kernels), and assembles the PTX with ptxas, so a kernel
-// that does not compile fails the build on a machine without a GPU. Only with the crate's
-// `cuda` feature; otherwise nothing happens.
+//! With the `cuda` feature: compiles each of kiln's CUDA kernel sources (`src/cuda/*.cu`) with
+//! nvcc to PTX for the compute capability in `CUDA_COMPUTE_CAP` (as candle's own kernels), and
+//! assembles the PTX with ptxas, so a kernel that does not compile fails the build on a
+//! machine without a GPU. Without the feature nothing happens.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -64,6 +63,19 @@ fn compile(source: &str, stem: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The kernel sources and the stems of their PTX files (`OUT_DIR/<stem>.ptx`, which
+/// `src/cuda/*.rs` embed).
+const KERNELS: [(&str, &str); 3] = [
+    ("src/cuda/ops.cu", "kiln_kernels_ops"),
+    ("src/cuda/attn.cu", "kiln_kernels_attn"),
+    ("src/cuda/step.cu", "kiln_kernels_step"),
+];
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    build_kernels(&KERNELS);
+}
+
 /// Compiles each `(source, stem)` to `OUT_DIR/<stem>.ptx` when the `cuda` feature is on.
 fn build_kernels(kernels: &[(&str, &str)]) {
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
@@ -76,7 +88,10 @@ fn build_kernels(kernels: &[(&str, &str)]) {
     }
     for (source, stem) in kernels {
         if let Err(e) = compile(source, stem) {
-            eprintln!("{}: {e}", std::env::var("CARGO_PKG_NAME").unwrap_or_default());
+            eprintln!(
+                "{}: {e}",
+                std::env::var("CARGO_PKG_NAME").unwrap_or_default()
+            );
             std::process::exit(1);
         }
     }

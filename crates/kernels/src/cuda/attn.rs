@@ -1,5 +1,5 @@
-//! The CUDA side of [`ops::causal_attention`](crate::ops::causal_attention) (feature `cuda`):
-//! `kernels/attn.cu`, compiled to PTX by build.rs and loaded once per device. f32, f16 and bf16
+//! The launchers of `attn.cu`, the CUDA side of [`CausalAttention`](crate::ops::CausalAttention):
+//! compiled to PTX by build.rs and loaded once per device. f32, f16 and bf16
 //! storage, computed in f32; inputs contiguous `[batch, heads, seq, head_dim]`, as the op's
 //! front end makes them.
 //!
@@ -7,7 +7,7 @@
 //! rounded up). The launch shape below mirrors `Tile<DMAX>` in attn.cu: `G = DMAX / 16` threads
 //! share one row, a block owns `min(64, 256 / G)` rows, grid x is the head, grid y the row tile.
 
-use crate::cuda::{by_dtype, err, input, int, output, wrap};
+use super::{by_dtype, err, input, int, output, wrap};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, LaunchConfig, PushKernelArg,
@@ -16,8 +16,8 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, WithDType};
 
 /// The kernels, as PTX for the compute capability the build was configured for.
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kiln_model_attn.ptx"));
-const MODULE: &str = "kiln_model_attn";
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kiln_kernels_attn.ptx"));
+const MODULE: &str = "kiln_kernels_attn";
 
 /// The head-dimension bounds the kernels are instantiated for.
 const DMAX: [usize; 5] = [16, 32, 64, 128, 256];
@@ -30,7 +30,7 @@ struct Tiling {
     threads: u32,
 }
 
-fn tiling(op: &str, dh: usize) -> Result<Tiling> {
+fn tiling(op: &'static str, dh: usize) -> Result<Tiling> {
     let dmax = DMAX
         .into_iter()
         .find(|&d| d >= dh)
@@ -55,7 +55,7 @@ fn func(dev: &CudaDevice, name: &str, dtype: DType, dmax: Option<usize>) -> Resu
 }
 
 /// Grid x: the `heads` (batch times heads); grid y: the tiles of `rows` rows of `t`.
-fn grid(op: &str, heads: usize, t: usize, tl: &Tiling) -> Result<LaunchConfig> {
+fn grid(op: &'static str, heads: usize, t: usize, tl: &Tiling) -> Result<LaunchConfig> {
     let x = u32::try_from(heads)
         .ok()
         .filter(|&x| x < i32::MAX as u32)
@@ -73,7 +73,7 @@ fn grid(op: &str, heads: usize, t: usize, tl: &Tiling) -> Result<LaunchConfig> {
 }
 
 /// `(batch * heads, seq, head_dim)` of a `[batch, heads, seq, head_dim]` layout.
-fn dims(l: &Layout, op: &str) -> Result<(usize, usize, usize)> {
+fn dims(l: &Layout, op: &'static str) -> Result<(usize, usize, usize)> {
     match *l.dims() {
         [b, h, t, dh] if t > 0 && dh > 0 => Ok((b * h, t, dh)),
         ref d => Err(err(

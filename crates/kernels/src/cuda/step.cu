@@ -30,8 +30,8 @@ extern "C" __global__ void adamw_f32(float* p, const float* g, float* m, float* 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The rest of the device-resident step (crates/parallel/src/engine/resident.rs). Each kernel is
-// the CPU path's arithmetic, element by element, with IEEE-rounded intrinsics.
+// The rest of the device-resident step (kiln-parallel's engine, data_parallel/resident.rs).
+// Each kernel is the CPU path's arithmetic, element by element, with IEEE-rounded intrinsics.
 
 // Gradient accumulation into the flat f32 buffer (the CPU's `tensor_into_slice`): the gradient
 // widened to f32 (exact), then copied or added.

@@ -1,4 +1,4 @@
-// CUDA kernels of kiln-model's fused ops, the device side of `src/ops/*.rs`: the same
+// CUDA kernels of the fused ops, the device side of `src/ops/*.rs`: the same
 // arithmetic as the CPU kernels (f32 accumulation for f16 and bf16 storage, two-pass layer norm
 // statistics, exp-normalised softmax, GELU's tanh approximation with tanh written as
 // 1 - 2 / (exp(2u) + 1)), with block-wide reductions in a fixed tree order, so every result is

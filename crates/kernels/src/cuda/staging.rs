@@ -1,23 +1,18 @@
-//! Host staging of the tensor-parallel custom ops on CUDA (feature `cuda`).
-//!
-//! kiln-comm's communicators (threads, MPI) work on host slices, so until a device
-//! communicator (NCCL) exists each op's `cuda_fwd` copies the contiguous part of its input to
-//! host memory, runs the very host logic of its `cpu_fwd` on it and copies the result back to a
-//! new buffer on the input's device. f32, f16, bf16 and f64, as on the CPU.
+//! Host staging of a custom op on CUDA: its `cuda_fwd` copies the contiguous part of its input
+//! to host memory, runs the very host logic of its `cpu_fwd` on it and copies the result back
+//! to a new buffer on the input's device. f32, f16, bf16 and f64, as on the CPU. For ops whose
+//! work happens on the host anyway: kiln-parallel's collectives over host communicators (thread
+//! ranks, MPI), and the vocab-parallel cross-entropy's gradient.
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape};
 
 /// The contiguous part of `s` that `l` addresses, copied to host memory (one device-to-host
 /// copy; the stream is synchronized before it returns).
-pub(super) fn to_host(
-    s: &CudaStorage,
-    l: &Layout,
-    op: &'static str,
-) -> candle_core::Result<CpuStorage> {
+pub fn to_host(s: &CudaStorage, l: &Layout, op: &'static str) -> candle_core::Result<CpuStorage> {
     let (a, b) = l
         .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::msg(format!("{op} (cuda): input is not contiguous")))?;
+        .ok_or_else(|| super::err(op, "input is not contiguous"))?;
     let dev = s.device();
     Ok(match s.dtype() {
         DType::F32 => CpuStorage::F32(dev.clone_dtoh(&s.as_cuda_slice::<f32>()?.slice(a..b))?),
@@ -34,7 +29,7 @@ pub(super) fn to_host(
 
 /// `op`'s forward on a CUDA input: the input staged to the host ([`to_host`]), `op.cpu_fwd`
 /// on it, and its result copied to a new buffer on the same device.
-pub(super) fn staged_fwd<O: CustomOp1 + ?Sized>(
+pub fn staged_fwd<O: CustomOp1 + ?Sized>(
     op: &O,
     s: &CudaStorage,
     l: &Layout,

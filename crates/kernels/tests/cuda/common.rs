@@ -1,13 +1,11 @@
-//! Helpers of the CUDA tests (`cuda_ops.rs`, `cuda_attention.rs`): the GPU or why there is
-//! none, deterministic inputs, and the comparison with the CPU.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! Helpers of the CUDA tests (`ops.rs`, `attention.rs`): the GPU or why there is none,
+//! deterministic inputs, and the comparison with the CPU.
 
 use candle_core::{DType, Device, Tensor};
-use kiln_model::DeviceSpec;
 
 /// The GPU, or `None` after printing why there is none.
 pub fn gpu(test: &str) -> Option<Device> {
-    match DeviceSpec::Cuda(0).device() {
+    match Device::new_cuda(0) {
         Ok(d) => Some(d),
         Err(e) => {
             println!("{test}: skipped, no CUDA device: {e}");
@@ -16,11 +14,21 @@ pub fn gpu(test: &str) -> Option<Device> {
     }
 }
 
+/// The tolerance of a dtype: f32 differs from the CPU only in summation order and exp; the
+/// half types in where the inputs of the roundings differ by that much.
+pub fn tol(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 1e-4,
+        DType::F16 => 1e-2,
+        _ => 5e-2,
+    }
+}
+
 /// Deterministic values in about [-2, 2].
 pub fn values(n: usize, salt: u64) -> Vec<f32> {
     (0..n)
         .map(|i| {
-            let h = kiln_model::splitmix64(i as u64 ^ (salt << 32));
+            let h = kiln_state::splitmix64(i as u64 ^ (salt << 32));
             (h >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0
         })
         .collect()

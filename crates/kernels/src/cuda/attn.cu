@@ -15,7 +15,7 @@
 // group read consecutive 16-byte words of a shared row (no bank conflicts) and a dot product
 // is 16 multiply-adds per thread plus log2(G) shuffles. A block owns BQ = min(64, 256 / G)
 // rows (BQ * G <= 256 threads) and streams tiles of BK = min(64, 4096 / DMAX) rows, two f32
-// tiles of at most 32 KiB in static shared memory. src/cuda_attn.rs launches with the same
+// tiles of at most 32 KiB in static shared memory. src/cuda/attn.rs launches with the same
 // numbers.
 //
 // Compiled by build.rs with nvcc to PTX (compute capability from CUDA_COMPUTE_CAP) and checked

@@ -1,26 +1,11 @@
-//! `ops::causal_attention` on CUDA against the same op on the CPU: the output and the
+//! [`CausalAttention`] on CUDA against the same op on the CPU: the output and the
 //! gradients of q, k and v in f32, f16 and bf16, at t = 1, 100 (partial tiles) and 2048 (many
 //! tiles), b = 1, h = 2, head_dim 64; plus head dims 16 and 80 (a padded instantiation) in f32.
-//! Needs a build with the `cuda` feature and a GPU; anywhere else each test says why it did not
-//! run and passes (`scripts/gpu_check.sh` runs it on one).
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::{gpu, host, values, worst};
+use crate::common::{gpu, host, tol, values, worst};
 
 use candle_core::{DType, Device, Tensor, Var};
-use kiln_model::ops;
-
-/// f32 differs from the CPU in summation order and exp only; the half types in where the
-/// inputs of the roundings differ by that much.
-fn tol(dtype: DType) -> f32 {
-    match dtype {
-        DType::F32 => 1e-4,
-        DType::F16 => 1e-2,
-        _ => 5e-2,
-    }
-}
+use kiln_kernels::ops::CausalAttention;
 
 /// The output and the gradients of q, k, v of `sum(attention * w)` on `dev`, as f32.
 fn run(dev: &Device, dtype: DType, shape: [usize; 4]) -> (Vec<f32>, Vec<Vec<f32>>) {
@@ -35,7 +20,9 @@ fn run(dev: &Device, dtype: DType, shape: [usize; 4]) -> (Vec<f32>, Vec<Vec<f32>
             Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()
         })
         .collect();
-    let y = ops::causal_attention(&vars[0], &vars[1], &vars[2], scale).unwrap();
+    let y = vars[0]
+        .apply_op3(&vars[1], &vars[2], CausalAttention::new(scale))
+        .unwrap();
     let w = Tensor::from_vec(values(n, 9), shape.as_slice(), dev)
         .unwrap()
         .to_dtype(dtype)
@@ -99,29 +86,20 @@ fn causal_attention_forward_at_2048_runs_on_cuda() {
             .unwrap()
             .to_dtype(dtype)
             .unwrap();
-        let y = ops::causal_attention(&x, &x, &x, 0.125);
+        let y = x.apply_op3(&x, &x, CausalAttention::new(0.125));
         let y = y.unwrap_or_else(|e| panic!("{dtype:?}: the CUDA forward failed: {e}"));
         assert_eq!(y.dims(), shape.as_slice());
         assert!(host(&y).iter().all(|v| v.is_finite()), "{dtype:?}");
     }
 }
 
-/// On CUDA, head dims past the kernels' 256 are a typed error before any launch.
+/// Past the kernels' 256, the op itself refuses a head dimension, naming it, before any launch.
 #[test]
-fn head_dim_over_256_is_rejected_on_cuda() {
-    let Some(dev) = gpu("head_dim_over_256_is_rejected_on_cuda") else {
+fn head_dim_over_256_is_an_error_of_the_kernel() {
+    let Some(dev) = gpu("head_dim_over_256_is_an_error_of_the_kernel") else {
         return;
     };
     let x = Tensor::zeros((1, 1, 4, 264), DType::F32, &dev).unwrap();
-    let e = ops::causal_attention(&x, &x, &x, 1.0).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            kiln_model::ModelError::Shape {
-                op: "causal_attention",
-                ..
-            }
-        ),
-        "{e}"
-    );
+    let e = x.apply_op3(&x, &x, CausalAttention::new(1.0)).unwrap_err();
+    assert!(e.to_string().contains("head_dim 264"), "{e}");
 }
