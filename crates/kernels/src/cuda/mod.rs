@@ -10,7 +10,6 @@
 //! the host (kiln-parallel's collectives, the vocab-parallel cross-entropy's gradient).
 
 use crate::KernelError;
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
