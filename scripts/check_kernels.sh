@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Compiles every kiln CUDA kernel source to machine code for sm_${CUDA_COMPUTE_CAP:-90} with
-# nvcc and ptxas, on any machine with CUDA's compiler (no GPU needed). The cuda feature's
-# build scripts do the same for the kernels they embed; this names each file and its result.
+# Compiles every kiln CUDA kernel source (all in kiln-kernels, crates/kernels/src/cuda/) to
+# machine code for sm_${CUDA_COMPUTE_CAP:-90} with nvcc and ptxas, on any machine with CUDA's
+# compiler (no GPU needed). kiln-kernels' build script does the same with the cuda feature for
+# the kernels it embeds; this names each file and its result.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cap="${CUDA_COMPUTE_CAP:-90}"

@@ -67,8 +67,8 @@ build() {
   rm -rf "$bundle" && mkdir -p "$bundle"
   cp "$CARGO_TARGET_DIR/release/examples/train_gpt" "$bundle/"
   # the GPU tests: (package, test target)
-  for t in kiln-model:cuda_ops kiln-model:cuda_attention kiln-parallel:cuda_adamw \
-      kiln-parallel:cuda_tp kiln-parallel:cuda_resident; do
+  for t in kiln-kernels:cuda kiln-model:cuda_model kiln-parallel:cuda_tp \
+      kiln-parallel:cuda_resident; do
     local pkg="${t%%:*}" name="${t##*:}" exe
     exe=$(cargo test --release --features cuda -p "$pkg" --test "$name" --no-run \
       --message-format=json 2>/dev/null | NAME="$name" python3 -c 'import json, os, sys
@@ -121,12 +121,11 @@ print(":".join(sorted(dirs)))
 EOF
 )
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  echo "== op tests on CUDA against the CPU"
-  "$bundle/cuda_ops" --nocapture --test-threads 1
-  echo "== fused causal attention on CUDA against the CPU"
-  "$bundle/cuda_attention" --nocapture --test-threads 1
-  echo "== AdamW on CUDA against the CPU, bitwise"
-  "$bundle/cuda_adamw" --nocapture
+  echo "== kiln-kernels on CUDA against the CPU: the fused ops, the fused causal attention,"
+  echo "   AdamW (bitwise)"
+  "$bundle/cuda" --nocapture --test-threads 1
+  echo "== the tiny GPT's loss and gradients on CUDA against the CPU"
+  "$bundle/cuda_model" --nocapture --test-threads 1
   echo "== the device-resident step against the CPU step, bitwise (GPU <-> CPU state too)"
   "$bundle/cuda_resident" --nocapture
   echo "== tensor-parallel ops on CUDA (staged through the host) against the CPU, 2 thread ranks"

@@ -9,6 +9,8 @@
 //! - `precision`: precision policy, loss scaling, non-finite checks.
 //! - `optim`: AdamW on flat f32 shards, learning-rate schedules, global-norm clipping.
 //! - `memory`: the segmented executor, activation checkpointing, memory estimates.
+//! - `kernels`: the computation: the CPU matrix products every dense layer uses, the fused ops'
+//!   CPU and CUDA kernels.
 //! - `model`: the GPT-3-style decoder and its trainable fused ops.
 //! - `parallel`: data parallel, ZeRO stages 1-3, tensor parallel.
 //! - `data`: tokenizer, token shards, distributed sampler, mixture, quality filters, prefetch.
@@ -31,6 +33,8 @@ pub use kiln_ckpt as ckpt;
 pub use kiln_comm as comm;
 #[cfg(feature = "data")]
 pub use kiln_data as data;
+#[cfg(feature = "kernels")]
+pub use kiln_kernels as kernels;
 #[cfg(feature = "launch")]
 pub use kiln_launch as launch;
 #[cfg(feature = "memory")]

@@ -168,11 +168,3 @@ pub enum ModelError {
 
 /// Result alias of kiln-model.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
-
-impl ModelError {
-    /// Wraps this error into a candle error, for the places (custom op kernels) that must return
-    /// one; its message survives in the candle error.
-    pub(crate) fn into_candle(self) -> candle_core::Error {
-        candle_core::Error::wrap(self)
-    }
-}

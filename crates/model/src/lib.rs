@@ -9,9 +9,9 @@
 //!   executor; parameters are named `Var`s initialised from `(seed, name)` streams.
 //! - [`LayerFactory`] / [`LinearLayer`]: the seam where tensor-parallel, LoRA or fake-quantised
 //!   linear layers replace [`DenseFactory`]'s dense ones.
-//! - [`ops`]: layer norm, causal softmax, fused causal attention, GELU and cross-entropy as
-//!   candle custom ops with a fused CPU forward and a backward (candle's own fused softmax and
-//!   layer norm have none);
+//! - [`ops`]: layer norm, causal softmax, fused causal attention, GELU and cross-entropy with
+//!   a backward (candle's own fused softmax and layer norm have none): the inputs checked, then
+//!   kiln-kernels' fused CPU and CUDA kernels;
 //!   [`reference`](mod@reference) holds composite equivalents.
 //! - [`generate`]: greedy and top-k sampling.
 //! - [`hf`]: Hugging Face's GPT-2 layout (`model.safetensors` + `config.json`) to and from
@@ -38,16 +38,11 @@
 
 mod block;
 mod config;
-#[cfg(feature = "cuda")]
-mod cuda;
-#[cfg(feature = "cuda")]
-mod cuda_attn;
 mod device;
 mod error;
 mod generate;
 pub mod hf;
 mod init;
-mod kernel;
 mod linear;
 mod model;
 pub mod ops;

@@ -10,8 +10,9 @@ pub use crate::options::{GptOptions, Segment};
 use crate::params::ParamSource;
 use crate::tp::TensorParallelFactory;
 use candle_core::{DType, Tensor, Var};
+use kiln_kernels::{with_matmul_precision, MatmulPrecision};
 use kiln_optim::ParamKind;
-use kiln_parallel::tp::{self as tpops, with_matmul_precision, MatmulPrecision, TpComm, TpSplit};
+use kiln_parallel::tp::{self as tpops, TpComm, TpSplit};
 use std::collections::HashMap;
 
 /// The GPT-3-style decoder: token and learned position embeddings, `n_layers` pre-LayerNorm
@@ -439,7 +440,7 @@ impl Gpt {
     }
 
     /// Runs `f` with bf16 or f16 matrix products when computing in that type on the CPU;
-    /// otherwise under the thread's own [`kiln_parallel::tp::matmul_precision`] (which a caller
+    /// otherwise under the thread's own [`kiln_kernels::matmul_precision`] (which a caller
     /// may set, as PyTorch's `set_float32_matmul_precision` does for an f32 model).
     fn in_precision<R>(&self, f: impl FnOnce() -> R) -> R {
         match self.cpu_half() {

@@ -16,11 +16,11 @@ pub struct GptOptions {
     ///
     /// bf16 on the CPU computes as PyTorch's CPU autocast does where it pays: every matrix
     /// product of the linear layers and the LM head takes bf16 operands with f32 accumulation
-    /// ([`kiln_parallel::tp::MatmulPrecision::Bf16`], the `avx512_bf16` dot product), while
+    /// ([`kiln_kernels::MatmulPrecision::Bf16`], the `avx512_bf16` dot product), while
     /// the activations between them, their gradients and the normalisation, attention
     /// softmax, GELU and loss stay f32 (candle's element-wise bf16 CPU kernels are slower than
     /// its f32 ones). f16 on the CPU computes the same way with f16 operands
-    /// ([`kiln_parallel::tp::MatmulPrecision::F16`]): what an f16 matrix unit with f32
+    /// ([`kiln_kernels::MatmulPrecision::F16`]): what an f16 matrix unit with f32
     /// accumulation computes, a scaled gradient beyond f16's range still overflowing in the
     /// product for the loss scaler to see. On CUDA every tensor of the forward is bf16 or f16.
     pub compute_dtype: DType,

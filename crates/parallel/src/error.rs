@@ -16,6 +16,9 @@ pub enum ParallelError {
     /// The loss scaler failed (for example the scale fell below its minimum).
     #[error(transparent)]
     Precision(#[from] kiln_precision::PrecisionError),
+    /// A kernel failed (kiln-kernels).
+    #[error(transparent)]
+    Kernel(#[from] kiln_kernels::KernelError),
     /// The segmented executor failed.
     #[error(transparent)]
     Memory(#[from] kiln_memory::MemoryError),

@@ -212,7 +212,7 @@ pub fn tensor_into_slice(t: &Tensor, dst: &mut [f32], accumulate: bool, name: &s
 /// when they are long: the flat buffers' copies are a step's largest serial memory passes.
 fn copy_or_add(dst: &mut [f32], src: &[f32], accumulate: bool) {
     const BLOCK: usize = 1 << 16;
-    crate::tp::for_each_slot(&crate::tp::slots(dst, BLOCK), BLOCK, |i, d| {
+    kiln_kernels::pool::for_each_slot(&kiln_kernels::pool::slots(dst, BLOCK), BLOCK, |i, d| {
         // the callers checked the lengths equal
         let s = src.get(i * BLOCK..).unwrap_or_default();
         if accumulate {

@@ -23,11 +23,10 @@
 #![deny(missing_docs)]
 
 #[cfg(feature = "cuda")]
-pub mod cuda;
+mod cuda;
 mod dims;
 mod engine;
 mod error;
-pub mod fastmath;
 mod flat;
 mod state;
 pub mod tp;

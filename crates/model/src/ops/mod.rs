@@ -1,7 +1,9 @@
-//! Trainable fused ops: each a candle custom op with a fused CPU forward (f32, f64, f16, bf16
-//! storage; half types compute in f32) and a backward built from a second fused kernel.
-//! [`causal_attention`] fuses the whole attention product (scores, causal softmax, values)
-//! without materialising the `seq x seq` scores.
+//! Trainable fused ops: each checks its inputs (a [`ModelError`](crate::ModelError) naming what
+//! is wrong), then applies kiln-kernels' custom op (`kiln_kernels::ops`: a fused CPU forward in
+//! f32, f64, f16 or bf16 storage, half types computing in f32, a backward built from a second
+//! fused kernel, and their CUDA kernels) through kiln-memory's tape, so a segment's backward
+//! can run from it. [`causal_attention`] fuses the whole attention product (scores, causal
+//! softmax, values) without materialising the `seq x seq` scores.
 //!
 //! candle's own `softmax_last_dim` and `layer_norm` build no backward node on contiguous
 //! input, so training through them silently leaves the weights unchanged; the model uses these

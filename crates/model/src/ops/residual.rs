@@ -1,9 +1,9 @@
-//! The residual addition `x + y` as a kiln op, so a transformer block is kiln's ops alone and
-//! its backward can run from the segment's tape (see `kiln_memory::tape`).
+//! The residual addition `x + y` as a kiln op ([`ResidualAdd`]), so a transformer block is
+//! kiln's ops alone and its backward can run from the segment's tape (see `kiln_memory::tape`).
 
 use crate::error::{ModelError, Result};
-use crate::kernel::{contiguous, same_type, with_float_storage, Elem};
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+use candle_core::Tensor;
+use kiln_kernels::ops::ResidualAdd;
 
 /// `x + y` for two tensors of one shape and float dtype: on the CPU one kiln op (bitwise
 /// candle's addition, forward and backward: each input gets the output's gradient), elsewhere
@@ -34,41 +34,4 @@ pub fn residual_add(x: &Tensor, y: &Tensor) -> Result<Tensor> {
         &y.contiguous()?,
         ResidualAdd,
     )?)
-}
-
-struct ResidualAdd;
-
-impl CustomOp2 for ResidualAdd {
-    fn name(&self) -> &'static str {
-        "kiln-residual-add"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        with_float_storage!(s1, op, |xs| {
-            let x = contiguous(xs, l1, op)?;
-            let y = contiguous(same_type(x, s2, op)?, l2, op)?;
-            if x.len() != y.len() {
-                candle_core::bail!("{op}: {} and {} elements", x.len(), y.len());
-            }
-            let out = super::gelu::map2(x, y, |a, b| Elem::store(a.load() + b.load()))?;
-            Ok((Elem::into_storage(out), l1.shape().clone()))
-        })
-    }
-
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        _y: &Tensor,
-        _out: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(grad.clone()), Some(grad.clone())))
-    }
 }

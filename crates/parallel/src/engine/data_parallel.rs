@@ -810,7 +810,7 @@ impl DataParallel {
         } else {
             1
         };
-        (crate::tp::pool_threads() / ranks.max(1)).max(1)
+        (kiln_kernels::pool::pool_threads() / ranks.max(1)).max(1)
     }
 
     /// The global L2 norm of the gradients from each rank's chunks (the square sums are exact,

@@ -8,6 +8,7 @@ use crate::tp::sequence::{
 };
 use crate::tp::shard::{shard_column, shard_qkv, shard_row};
 use candle_core::{Tensor, Var};
+use kiln_kernels::dense::{AddBias, LinearBias, LinearNoBias};
 
 /// `x W^T + b` over the last dimension of `x` `[.., in]`, computing in `x`'s dtype (the
 /// weight and bias are cast differentiably when stored in another dtype).
@@ -23,14 +24,10 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
     let w = weight.to_dtype(x.dtype())?;
     if x.device().is_cpu() {
-        // one op, forward and backward, on `x` as it is shaped (see `dense`): a reshape
-        // would be a graph node whose backward fills and adds a gradient of `x`'s size
+        // one op, forward and backward, on `x` as it is shaped (`kiln_kernels::dense`): a
+        // reshape would be a graph node whose backward fills and adds a gradient of `x`'s size
         let b = bias.map(|b| b.to_dtype(x.dtype())).transpose()?;
-        return Ok(crate::tp::dense::linear_cpu(
-            &x.contiguous()?,
-            &w.contiguous()?,
-            b.as_ref(),
-        )?);
+        return Ok(linear_cpu(&x.contiguous()?, &w.contiguous()?, b.as_ref())?);
     }
     let rows = x.elem_count() / in_f;
     let x2 = x.contiguous()?.reshape((rows, in_f))?;
@@ -80,11 +77,25 @@ pub fn row_parallel_linear(
     }
 }
 
-/// `y + b` over the last dimension: on the CPU the op whose backward sums the bias gradient
-/// row by row (`dense::add_bias_cpu`), elsewhere candle's broadcast add.
+/// `x W^T (+ b)` for `x` `[rows, in]`, `weight` `[out, in]` and `bias` `[out]`, all CPU tensors
+/// of one float dtype; `x` and `weight` contiguous: kiln-kernels' linear op at this thread's
+/// [`kiln_kernels::matmul_precision`], recorded on kiln-memory's tape.
+pub(crate) fn linear_cpu(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+) -> candle_core::Result<Tensor> {
+    match bias {
+        Some(b) => kiln_memory::tape::apply_op3(x, weight, &b.contiguous()?, LinearBias::new()),
+        None => kiln_memory::tape::apply_op2(x, weight, LinearNoBias::new()),
+    }
+}
+
+/// `y + b` over the last dimension: on the CPU kiln-kernels' op whose backward sums the bias
+/// gradient row by row ([`AddBias`]), elsewhere candle's broadcast add.
 fn add_bias(y: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(if y.device().is_cpu() {
-        crate::tp::dense::add_bias_cpu(y, b)?
+        kiln_memory::tape::apply_op2(&y.contiguous()?, &b.contiguous()?, AddBias)?
     } else {
         y.broadcast_add(b)?
     })

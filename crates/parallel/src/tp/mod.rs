@@ -51,19 +51,17 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-mod cpu_gemm;
-mod dense;
 mod linear;
 mod ops;
 mod sequence;
 mod shard;
-#[cfg(feature = "cuda")]
-mod staging;
 mod vocab;
 
-pub use cpu_gemm::{bf16_kernel, Bf16Kernel};
-pub(crate) use cpu_gemm::{for_each_slot, pool_threads, run_items, slots};
-pub use dense::{matmul_precision, with_matmul_precision, MatmulPrecision};
+/// The precision [`linear`]'s CPU products follow, per thread, and the bf16 kernel this CPU
+/// runs: kiln-kernels' own, re-exported where the layers that follow them are.
+pub use kiln_kernels::{
+    bf16_kernel, matmul_precision, with_matmul_precision, Bf16Kernel, MatmulPrecision,
+};
 pub use linear::{
     column_parallel_linear, column_parallel_linear_sp, linear, row_parallel_linear,
     row_parallel_linear_sp, ColumnParallelLinear, RowParallelLinear,

@@ -11,46 +11,15 @@
 //! forward and backward, as for any collective.
 
 use crate::error::{ParallelError, Result};
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use kiln_comm::{CommElem, CommExt, Communicator, ReduceOp};
+use kiln_kernels::custom_op::contiguous;
+use kiln_kernels::map_float_storage;
 use std::sync::Arc;
 
 /// The tensor-parallel group the ops and layers communicate over (shared by every layer of a
 /// model replica).
 pub type TpComm = Arc<dyn Communicator>;
-
-/// Runs `$body` on the typed vector of a float [`CpuStorage`] and wraps the resulting vector
-/// back into storage of the same dtype; other dtypes are an error naming the op.
-macro_rules! map_float_storage {
-    ($s:expr, $op:expr, |$v:ident| $body:expr) => {
-        match $s {
-            CpuStorage::F32($v) => CpuStorage::F32($body),
-            CpuStorage::F64($v) => CpuStorage::F64($body),
-            CpuStorage::F16($v) => CpuStorage::F16($body),
-            CpuStorage::BF16($v) => CpuStorage::BF16($body),
-            other => {
-                return Err(candle_core::Error::UnsupportedDTypeForOp(
-                    other.dtype(),
-                    $op,
-                ))
-            }
-        }
-    };
-}
-pub(super) use map_float_storage;
-
-/// The contiguous part of `data` that `layout` addresses; an error for a strided layout.
-pub(super) fn contiguous<'a, T>(
-    data: &'a [T],
-    layout: &Layout,
-    op: &'static str,
-) -> candle_core::Result<&'a [T]> {
-    layout
-        .contiguous_offsets()
-        .and_then(|(a, b)| data.get(a..b))
-        .ok_or_else(|| candle_core::Error::msg(format!("{op}: input is not contiguous")))
-}
 
 /// A collective failure inside a candle op, carrying the communicator's message.
 pub(crate) fn comm_error(op: &'static str, e: kiln_comm::CommError) -> candle_core::Error {
@@ -165,7 +134,7 @@ impl CustomOp1 for AllReduce {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 }
 
@@ -192,7 +161,7 @@ impl CustomOp1 for CopyToTp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -234,7 +203,7 @@ impl CustomOp1 for ReduceFromTp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -266,7 +235,7 @@ impl CustomOp1 for GatherFromTp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -302,7 +271,7 @@ impl CustomOp1 for ScatterToTp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {

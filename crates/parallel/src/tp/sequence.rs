@@ -24,10 +24,11 @@
 //! every rank.
 
 use crate::error::{ParallelError, Result};
-use crate::tp::ops::{comm_error, contiguous, map_float_storage, TpComm};
-use candle_core::backend::BackendStorage;
+use crate::tp::ops::{comm_error, TpComm};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 use kiln_comm::{CommElem, CommExt, ReduceOp};
+use kiln_kernels::custom_op::contiguous;
+use kiln_kernels::map_float_storage;
 use std::ops::Range;
 
 /// The token rows `[start, end)` of the `rows` (every dimension but the last, flattened) that
@@ -172,7 +173,7 @@ impl CustomOp1 for SeqOp {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        super::staging::staged_fwd(self, s, l)
+        kiln_kernels::cuda::staged_fwd(self, s, l)
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {

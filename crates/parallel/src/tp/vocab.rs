@@ -6,20 +6,24 @@
 //! communicator (NCCL) exists: the logits are copied to the host for the row statistics the
 //! group reduces and for the gradient, which runs the same host code as on the CPU and is
 //! copied back to the logits' device; the loss itself is written straight to the device.
+//!
+//! The row kernels, the statistics and the loss's ops are kiln-kernels' (`ops::vocab`); here
+//! are the reductions over the group between their passes, and the checks of the inputs.
 
 use crate::error::{ParallelError, Result};
-use crate::tp::cpu_gemm::run_items;
 use crate::tp::linear::column_parallel_linear;
-use crate::tp::ops::{contiguous, reduce_from_tp_region, TpComm};
+use crate::tp::ops::{reduce_from_tp_region, TpComm};
 use crate::tp::sequence::reduce_scatter_to_sequence_parallel_region;
 use crate::tp::shard::{shard_vocab, vocab_range};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor, Var, WithDType};
+#[cfg(feature = "cuda")]
+use candle_core::Layout;
+use candle_core::{CpuStorage, DType, Storage, Tensor, Var};
 use kiln_comm::{CommElem, CommExt, ReduceOp};
-use std::mem::MaybeUninit;
+use kiln_kernels::custom_op::{contiguous, Elem, Float};
+use kiln_kernels::ops::vocab::{self, CeStats, CeTargets, VocabCrossEntropy};
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 mod head;
 pub use head::{
@@ -139,246 +143,32 @@ pub fn vocab_parallel_logits(x: &Tensor, wte_local: &Tensor, comm: &TpComm) -> R
 
 const CE_OP: &str = "vocab_parallel_cross_entropy";
 
-/// The type rows are reduced in: f32 for f32, f16 and bf16 logits (as the dense kernels do),
-/// f64 for f64.
-trait Acc:
-    CommElem
-    + PartialOrd
-    + std::ops::Add<Output = Self>
-    + std::ops::Sub<Output = Self>
-    + std::ops::Mul<Output = Self>
-{
-    const NEG_INFINITY: Self;
-    const ZERO: Self;
-    fn exp(self) -> Self;
-    fn to_f64(self) -> f64;
-    fn from_f64(v: f64) -> Self;
-}
-
-impl Acc for f32 {
-    const NEG_INFINITY: Self = f32::NEG_INFINITY;
-    const ZERO: Self = 0.0;
-    /// The vectorising polynomial (relative error below 4e-7), as the dense kernels use.
-    #[inline(always)]
-    fn exp(self) -> Self {
-        crate::fastmath::exp_f32(self)
-    }
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    #[inline(always)]
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-}
-
-impl Acc for f64 {
-    const NEG_INFINITY: Self = f64::NEG_INFINITY;
-    const ZERO: Self = 0.0;
-    #[inline(always)]
-    fn exp(self) -> Self {
-        f64::exp(self)
-    }
-    #[inline(always)]
-    fn to_f64(self) -> f64 {
-        self
-    }
-    #[inline(always)]
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-}
-
-/// A logits element and the type its rows are reduced in.
-trait Logit: WithDType {
-    type A: Acc;
-    fn load(self) -> Self::A;
-    fn store(a: Self::A) -> Self;
-}
-
-macro_rules! logit {
-    ($t:ty, $a:ty, $load:expr, $store:expr) => {
-        impl Logit for $t {
-            type A = $a;
-            #[inline(always)]
-            fn load(self) -> $a {
-                $load(self)
-            }
-            #[inline(always)]
-            fn store(a: $a) -> Self {
-                $store(a)
-            }
-        }
-    };
-}
-logit!(f32, f32, |x| x, |a| a);
-logit!(f64, f64, |x| x, |a| a);
-logit!(half::f16, f32, half::f16::to_f32, half::f16::from_f32);
-logit!(half::bf16, f32, half::bf16::to_f32, half::bf16::from_f32);
-
-/// Independent accumulators per row: the loops below vectorise over them, and their order of
-/// combination is fixed, so a row's result does not depend on the vector width.
-const LANES: usize = 16;
-
-/// The maximum of a row (NaN does not win, as in the dense kernel).
-fn max_of<T: Logit>(row: &[T]) -> T::A {
-    crate::simd_dispatch!(max_of_avx512, max_of_impl, (row))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn max_of_avx512<T: Logit>(row: &[T]) -> T::A {
-    max_of_impl(row)
-}
-
-#[inline(always)]
-fn max_of_impl<T: Logit>(row: &[T]) -> T::A {
-    let pick = |m: T::A, e: T::A| if e > m { e } else { m };
-    let mut acc = [T::A::NEG_INFINITY; LANES];
-    let chunks = row.chunks_exact(LANES);
-    let mut m = chunks
-        .remainder()
-        .iter()
-        .fold(T::A::NEG_INFINITY, |m, &e| pick(m, e.load()));
-    for c in chunks {
-        for (a, &e) in acc.iter_mut().zip(c) {
-            *a = pick(*a, e.load());
-        }
-    }
-    for a in acc {
-        m = pick(m, a);
-    }
-    m
-}
-
-/// `sum_j exp(row_j - m)`.
-fn exp_sum<T: Logit>(row: &[T], m: T::A) -> T::A {
-    crate::simd_dispatch!(exp_sum_avx512, exp_sum_impl, (row, m))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn exp_sum_avx512<T: Logit>(row: &[T], m: T::A) -> T::A {
-    exp_sum_impl(row, m)
-}
-
-#[inline(always)]
-fn exp_sum_impl<T: Logit>(row: &[T], m: T::A) -> T::A {
-    let mut acc = [T::A::ZERO; LANES];
-    let chunks = row.chunks_exact(LANES);
-    let mut s = chunks
-        .remainder()
-        .iter()
-        .fold(T::A::ZERO, |s, &e| s + (e.load() - m).exp());
-    for c in chunks {
-        for (a, &e) in acc.iter_mut().zip(c) {
-            *a = *a + (e.load() - m).exp();
-        }
-    }
-    for a in acc {
-        s = s + a;
-    }
-    s
-}
-
-/// Rows of the logits per parallel work item: about 64K elements.
-fn rows_per_item(v: usize) -> usize {
-    ((1usize << 16) / v.max(1)).max(1)
-}
-
-/// `f(first_row, rows, out)` over the `[n, v]` rows of `x` in blocks on candle's worker pool,
-/// `out` holding `per_row` elements of each row's result. Every block ran when it returns
-/// `true`.
-fn par_rows<T: Sync, O: Send>(
-    x: &[T],
-    v: usize,
-    out: &mut [O],
-    per_row: usize,
-    f: impl Fn(usize, &[T], &mut [O]) + Sync,
-) -> bool {
-    let rows = rows_per_item(v);
-    let items: Vec<_> = x
-        .chunks(rows * v)
-        .zip(out.chunks_mut(rows * per_row))
-        .map(|item| Mutex::new(Some(item)))
-        .collect();
-    let done = AtomicUsize::new(0);
-    run_items(items.len(), rows * v, |i| {
-        let item = items[i].lock().ok().and_then(|mut g| g.take());
-        if let Some((xs, os)) = item {
-            f(i * rows, xs, os);
-            done.fetch_add(1, Ordering::Relaxed);
-        }
-    });
-    done.into_inner() == items.len()
-}
-
-fn pool_failed() -> candle_core::Error {
-    candle_core::Error::msg(format!(
-        "{CE_OP}: a block of rows did not run on the worker pool"
-    ))
-}
-
 /// [`reduced_row_stats`] on a typed slice: the row maxima, then in one buffer the sums of
-/// `exp(logit - max)` and the target logits. With one rank each row's maximum and sum come
-/// from one pass while the row is in cache; with more the maxima are reduced over the group
-/// in between.
-fn typed_row_stats<T: Logit>(
+/// `exp(logit - max)` and the target logits (kiln-kernels' row kernels). With one rank each
+/// row's maximum and sum come from one pass while the row is in cache; with more the maxima are
+/// reduced over the group in between.
+fn typed_row_stats<T: Elem>(
     x: &[T],
     v: usize,
     targets: &CeTargets,
     group: Option<&TpComm>,
-) -> Result<(Vec<f64>, Vec<f64>)> {
-    let split = group.filter(|c| c.world_size() > 1);
-    let n = x.len() / v;
-    let mut max = vec![T::A::NEG_INFINITY; n];
-    let mut sums = vec![T::A::ZERO; 2 * n];
-    if let Some(comm) = split {
-        let ok = par_rows(x, v, &mut max, 1, |_, xs, out| {
-            for (row, o) in xs.chunks_exact(v).zip(out) {
-                *o = max_of(row);
-            }
-        });
-        if !ok {
-            return Err(pool_failed().into());
+) -> Result<(Vec<f64>, Vec<f64>)>
+where
+    T::F: CommElem,
+{
+    let (max, sums) = match group.filter(|c| c.world_size() > 1) {
+        Some(comm) => {
+            let mut max = vocab::row_maxima(x, v)?;
+            comm.all_reduce(&mut max, ReduceOp::Max)?;
+            let mut sums = vocab::row_sums(x, v, targets, &max)?;
+            comm.all_reduce(&mut sums, ReduceOp::Sum)?;
+            (max, sums)
         }
-        comm.all_reduce(&mut max, ReduceOp::Max)?;
-        let ok = par_rows(x, v, &mut sums[..n], 1, |r0, xs, out| {
-            for (r, (row, o)) in xs.chunks_exact(v).zip(out).enumerate() {
-                *o = exp_sum(row, max[r0 + r]);
-            }
-        });
-        if !ok {
-            return Err(pool_failed().into());
-        }
-    } else {
-        let mut pairs = vec![(T::A::ZERO, T::A::ZERO); n];
-        let ok = par_rows(x, v, &mut pairs, 1, |_, xs, out| {
-            for (row, o) in xs.chunks_exact(v).zip(out) {
-                let m = max_of(row);
-                *o = (m, exp_sum(row, m));
-            }
-        });
-        if !ok {
-            return Err(pool_failed().into());
-        }
-        for (r, (m, s)) in pairs.into_iter().enumerate() {
-            max[r] = m;
-            sums[r] = s;
-        }
-    }
-    for r in 0..n {
-        if let Some(j) = targets.local(r) {
-            sums[n + r] = x[r * v + j].load();
-        }
-    }
-    if let Some(comm) = split {
-        comm.all_reduce(&mut sums, ReduceOp::Sum)?;
-    }
+        None => vocab::row_stats(x, v, targets)?,
+    };
     Ok((
-        max.into_iter().map(Acc::to_f64).collect(),
-        sums.into_iter().map(Acc::to_f64).collect(),
+        max.into_iter().map(Float::to_f64).collect(),
+        sums.into_iter().map(Float::to_f64).collect(),
     ))
 }
 
@@ -397,7 +187,7 @@ fn reduced_row_stats(
         Storage::Cpu(cpu) => (cpu, layout.clone()),
         #[cfg(feature = "cuda")]
         Storage::Cuda(cuda) => {
-            staged = crate::tp::staging::to_host(cuda, layout, CE_OP)?;
+            staged = kiln_kernels::cuda::to_host(cuda, layout, CE_OP)?;
             (&staged, Layout::contiguous(layout.shape()))
         }
         _ => {
@@ -427,38 +217,6 @@ fn reduced_row_stats(
     }
 }
 
-/// The targets of the rows and this rank's slice of the vocabulary.
-struct CeTargets {
-    targets: Vec<u32>,
-    ignore_index: Option<u32>,
-    start: usize,
-    len: usize,
-}
-
-impl CeTargets {
-    fn counted(&self, r: usize) -> bool {
-        Some(self.targets[r]) != self.ignore_index
-    }
-
-    /// The local column of row `r`'s target, when it counts and this rank holds it.
-    fn local(&self, r: usize) -> Option<usize> {
-        let t = self.targets[r] as usize;
-        (self.counted(r) && (self.start..self.start + self.len).contains(&t))
-            .then(|| t - self.start)
-    }
-}
-
-/// What the forward reduced over the group and the backward reuses (no communication there).
-struct CeStats {
-    targets: CeTargets,
-    /// Log-sum-exp of each whole row.
-    lse: Vec<f64>,
-    /// The target logit of each row.
-    target_logit: Vec<f64>,
-    /// Rows whose target counts.
-    count: usize,
-}
-
 /// Mean cross-entropy of vocab-parallel `logits_local` `[n, vocab / tp]` (this rank's columns
 /// `rank * vocab / tp ..` of the whole `[n, vocab]` logits, as produced by
 /// [`vocab_parallel_logits`]) against `targets` `[n]` (u32 ids in the whole vocabulary),
@@ -481,7 +239,7 @@ pub fn vocab_parallel_cross_entropy(
 }
 
 /// [`vocab_parallel_cross_entropy`] over `group` (`None`: the logits hold the whole
-/// vocabulary), recorded as one [`VocabCrossEntropy`] node.
+/// vocabulary), recorded as one `VocabCrossEntropy` node (kiln-kernels).
 fn cross_entropy_over(
     logits_local: &Tensor,
     targets: &Tensor,
@@ -491,7 +249,7 @@ fn cross_entropy_over(
     let (logits, stats) = ce_stats(logits_local, targets, ignore_index, group)?;
     Ok(kiln_memory::tape::apply_op1(
         &logits,
-        VocabCrossEntropy { stats },
+        VocabCrossEntropy::new(stats),
     )?)
 }
 
@@ -535,210 +293,11 @@ fn ce_stats(
             got: format!("{id} at position {index}"),
         });
     }
-    let targets = CeTargets {
-        targets: t,
-        ignore_index,
-        start: rank * v,
-        len: v,
-    };
-    let count = (0..n).filter(|&r| targets.counted(r)).count();
+    let targets = CeTargets::new(t, ignore_index, rank * v, v);
     let logits = logits_local.contiguous()?;
     let (max, sums) = reduced_row_stats(&logits, v, &targets, group)?;
-    let lse = max.iter().zip(&sums).map(|(&m, &s)| m + s.ln()).collect();
-    let target_logit = sums.get(n..).map(<[f64]>::to_vec).unwrap_or_default();
-    let stats = Arc::new(CeStats {
-        targets,
-        lse,
-        target_logit,
-        count,
-    });
+    let stats = Arc::new(CeStats::new(targets, &max, &sums));
     Ok((logits, stats))
-}
-
-/// `logits_local -> mean loss` from the reduced statistics.
-struct VocabCrossEntropy {
-    stats: Arc<CeStats>,
-}
-
-impl CeStats {
-    /// The mean loss as a host scalar: f64 for f64 logits, f32 otherwise.
-    fn loss(&self, logits: DType) -> CpuStorage {
-        let loss = if self.count == 0 {
-            0.0
-        } else {
-            let total: f64 = (0..self.lse.len())
-                .filter(|&r| self.targets.counted(r))
-                .map(|r| self.lse[r] - self.target_logit[r])
-                .sum();
-            total / self.count as f64
-        };
-        match logits {
-            DType::F64 => CpuStorage::F64(vec![loss]),
-            _ => CpuStorage::F32(vec![loss as f32]),
-        }
-    }
-
-    /// What the logits gradient is multiplied by: the loss's incoming gradient over the
-    /// number of counted rows (0 when none counts).
-    fn grad_scale(&self, grad: &Tensor) -> candle_core::Result<f64> {
-        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        Ok(if self.count == 0 {
-            0.0
-        } else {
-            g / self.count as f64
-        })
-    }
-}
-
-impl CustomOp1 for VocabCrossEntropy {
-    fn name(&self) -> &'static str {
-        "kiln-tp-vocab-cross-entropy"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, _l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((self.stats.loss(s.dtype()), Shape::from(())))
-    }
-
-    /// The loss computed on the host from the reduced statistics (the logits are not read
-    /// again), written to a new scalar on the logits' device.
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _l: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendDevice;
-        let out = s
-            .device()
-            .storage_from_cpu_storage_owned(self.stats.loss(s.dtype()))?;
-        Ok((out, Shape::from(())))
-    }
-
-    fn bwd(
-        &self,
-        logits: &Tensor,
-        _loss: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        let scale = self.stats.grad_scale(grad)?;
-        let dx = logits
-            .contiguous()?
-            .apply_op1_no_bwd(&VocabCrossEntropyBwd {
-                stats: self.stats.clone(),
-                scale,
-            })?;
-        Ok(Some(dx))
-    }
-}
-
-/// `logits_local -> scale * (softmax_local - onehot_local)`, zero rows for ignored targets.
-struct VocabCrossEntropyBwd {
-    stats: Arc<CeStats>,
-    scale: f64,
-}
-
-/// `out_j = scale exp(row_j - lse)`.
-fn softmax_row<T: Logit>(row: &[T], out: &mut [MaybeUninit<T>], lse: T::A, scale: T::A) {
-    crate::simd_dispatch!(softmax_row_avx512, softmax_row_impl, (row, out, lse, scale))
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn softmax_row_avx512<T: Logit>(
-    row: &[T],
-    out: &mut [MaybeUninit<T>],
-    lse: T::A,
-    scale: T::A,
-) {
-    softmax_row_impl(row, out, lse, scale)
-}
-
-#[inline(always)]
-fn softmax_row_impl<T: Logit>(row: &[T], out: &mut [MaybeUninit<T>], lse: T::A, scale: T::A) {
-    for (o, &e) in out.iter_mut().zip(row) {
-        o.write(T::store((e.load() - lse).exp() * scale));
-    }
-}
-
-/// `scale * (softmax - onehot)` of `[n, v]` rows, zero rows for ignored targets: rows in
-/// parallel, every element written once (the output is not zero-filled first).
-fn ce_grad<T: Logit>(x: &[T], v: usize, st: &CeStats, scale: f64) -> candle_core::Result<Vec<T>> {
-    let len = x.len();
-    if len % v != 0 {
-        return Err(candle_core::Error::msg(format!(
-            "{CE_OP}: {len} logits are not whole rows of {v}"
-        )));
-    }
-    let mut out: Vec<T> = Vec::with_capacity(len);
-    let scale_a = T::A::from_f64(scale);
-    let ok = par_rows(
-        x,
-        v,
-        &mut out.spare_capacity_mut()[..len],
-        v,
-        |r0, xs, os| {
-            for (r, (row, dr)) in xs.chunks_exact(v).zip(os.chunks_exact_mut(v)).enumerate() {
-                let r = r0 + r;
-                if !st.targets.counted(r) {
-                    for o in dr.iter_mut() {
-                        o.write(T::zero());
-                    }
-                    continue;
-                }
-                let lse = T::A::from_f64(st.lse[r]);
-                softmax_row(row, dr, lse, scale_a);
-                if let Some(j) = st.targets.local(r) {
-                    let p = (row[j].load() - lse).exp().to_f64();
-                    dr[j].write(T::from_f64((p - 1.0) * scale));
-                }
-            }
-        },
-    );
-    if !ok {
-        return Err(pool_failed());
-    }
-    // SAFETY: every block of rows ran (`ok`) and wrote each element of its rows; the rows
-    // cover the first `len` elements (`len` is a whole number of rows).
-    unsafe { out.set_len(len) };
-    Ok(out)
-}
-
-impl CustomOp1 for VocabCrossEntropyBwd {
-    fn name(&self) -> &'static str {
-        "kiln-tp-vocab-cross-entropy-bwd"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let op = self.name();
-        let v = self.stats.targets.len;
-        if l.shape().elem_count() != v * self.stats.lse.len() {
-            return Err(candle_core::Error::msg(format!(
-                "{op}: logits {:?} do not match the forward's {} rows of {v}",
-                l.dims(),
-                self.stats.lse.len()
-            )));
-        }
-        let (st, scale) = (&*self.stats, self.scale);
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(ce_grad(contiguous(x, l, op)?, v, st, scale)?),
-            CpuStorage::F16(x) => CpuStorage::F16(ce_grad(contiguous(x, l, op)?, v, st, scale)?),
-            CpuStorage::BF16(x) => CpuStorage::BF16(ce_grad(contiguous(x, l, op)?, v, st, scale)?),
-            CpuStorage::F64(x) => CpuStorage::F64(ce_grad(contiguous(x, l, op)?, v, st, scale)?),
-            other => return Err(candle_core::Error::UnsupportedDTypeForOp(other.dtype(), op)),
-        };
-        Ok((out, l.shape().clone()))
-    }
-
-    /// The same host logic as `cpu_fwd`, the logits staged through host memory (see the
-    /// module docs).
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        crate::tp::staging::staged_fwd(self, s, l)
-    }
 }
 
 /// A vocab-parallel token embedding whose transpose is also the LM head (tied weights): this

@@ -5,7 +5,7 @@
 //! threads. Both passes give the same bits however they are split: the check is per element
 //! and the square sums are exact.
 
-use crate::tp::{for_each_slot, slots};
+use kiln_kernels::pool::{for_each_slot, slots};
 use kiln_optim::SquareSum;
 use kiln_precision::unscale_and_check;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +16,7 @@ pub(super) struct PoolRunner;
 
 impl kiln_optim::ParallelRunner for PoolRunner {
     fn run(&self, n: usize, job: &(dyn Fn(usize) + Sync)) {
-        crate::tp::run_items(n, PIECE, job);
+        kiln_kernels::pool::run_items(n, PIECE, job);
     }
 }
 

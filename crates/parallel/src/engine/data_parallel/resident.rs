@@ -93,13 +93,13 @@ impl Resident {
         inv: Option<f32>,
         k: usize,
     ) -> Result<()> {
-        cuda::square_bins(
+        Ok(cuda::square_bins(
             dev,
             &mut buf.slice_mut(range),
             inv,
             &mut bins.slice_mut(k * BINS..(k + 1) * BINS),
             &mut flags.slice_mut(k..k + 1),
-        )
+        )?)
     }
 }
 

@@ -1,14 +1,14 @@
 //! The tied LM head and the vocab-parallel cross-entropy as one graph node.
 
-use super::{ce_stats, cross_entropy_over, CeStats, VocabCrossEntropyBwd};
+use super::{ce_stats, cross_entropy_over};
 use crate::error::{ParallelError, Result};
-use crate::tp::dense::{bwd_tensors, linear_cpu, matmul_precision, MatmulPrecision};
+use crate::tp::linear::linear_cpu;
 use crate::tp::ops::{copy_to_tp_region, TpComm};
 use crate::tp::sequence::gather_from_sequence_parallel_region;
 use crate::tp::vocab::{vocab_parallel_cross_entropy, vocab_parallel_logits};
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
-use std::sync::Arc;
+use candle_core::Tensor;
+use kiln_kernels::matmul_precision;
+use kiln_kernels::ops::vocab::HeadCrossEntropy;
 
 /// [`vocab_parallel_logits`] followed by [`vocab_parallel_cross_entropy`], as one node of the
 /// graph: the mean cross-entropy of the logits `f(x) wte_local^T` against `targets`, with
@@ -102,7 +102,8 @@ fn check_input(x: &Tensor, w: &Tensor) -> Result<()> {
 }
 
 /// The head's product and the row statistics over `group` (`None`: the whole vocabulary
-/// here), recorded as one [`HeadCrossEntropy`] node; `x` is `[n, d]` on the CPU.
+/// here), recorded as one [`HeadCrossEntropy`] node (kiln-kernels); `x` is `[n, d]` on the
+/// CPU.
 fn fused(
     x: &Tensor,
     w: &Tensor,
@@ -126,48 +127,6 @@ fn fused(
     Ok(kiln_memory::tape::apply_op2(
         &x,
         &w,
-        HeadCrossEntropy {
-            stats,
-            logits,
-            precision,
-        },
+        HeadCrossEntropy::new(stats, logits, precision),
     )?)
-}
-
-/// `(x, wte_local) -> mean loss`, holding the forward's logits for the backward.
-struct HeadCrossEntropy {
-    stats: Arc<CeStats>,
-    logits: Tensor,
-    precision: MatmulPrecision,
-}
-
-impl CustomOp2 for HeadCrossEntropy {
-    fn name(&self) -> &'static str {
-        "kiln-tp-vocab-head-cross-entropy"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        _l1: &Layout,
-        _s2: &CpuStorage,
-        _l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((self.stats.loss(s1.dtype()), Shape::from(())))
-    }
-
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _loss: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let dlogits = self.logits.apply_op1_no_bwd(&VocabCrossEntropyBwd {
-            stats: self.stats.clone(),
-            scale: self.stats.grad_scale(grad)?,
-        })?;
-        let (dx, dw, _) = bwd_tensors(x, w, &dlogits, false, self.precision)?;
-        Ok((Some(dx), Some(dw)))
-    }
 }
