@@ -14,12 +14,12 @@ use kiln::ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, R
 use kiln::ckpt::{ReshardRequest, Stateful, Step};
 use kiln::comm::{Communicator, ThreadComm};
 use kiln::data::{default_cache_dir, prepare_corpus, DataLoader, LoaderConfig, PrepareConfig};
-use kiln::memory::{CheckpointPolicy, MicroBatch};
+use kiln::memory::{MicroBatch, RecomputePolicy};
 use kiln::model::{Gpt, GptConfig, GptOptions};
 use kiln::monitor::{BatchInfo, BreakerPolicy, CircuitBreaker, ConsoleSink, DetectorSet};
 use kiln::monitor::{JsonlSink, MetricSink, MultiSink, Response, StepMetrics};
 use kiln::optim::{LrSchedule, OptimizerConfig, WarmupDecay, WeightDecayGroups};
-use kiln::parallel::{DataParallel, DataParallelConfig, Stage};
+use kiln::parallel::{DataParallel, DataParallelConfig, ZeroStage};
 use kiln::precision::{DynamicLossScaler, LossScaler, NoScaler};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -36,8 +36,8 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     dp: usize,
     /// ZeRO stage, 0-3
-    #[arg(long, default_value_t = 2)]
-    zero: u8,
+    #[arg(long, default_value = "2")]
+    zero: ZeroStage,
     /// Optimizer steps
     #[arg(long, default_value_t = 30)]
     steps: u64,
@@ -73,9 +73,9 @@ fn main() -> Result<()> {
         let opts = GptOptions::seeded(1).with_compute_dtype(dtype);
         let model = Gpt::new(&GptConfig::tiny(), &opts)?;
         let dpc = DataParallelConfig {
-            stage: Stage::from_number(zero)?,
+            stage: zero,
             max_grad_norm: Some(1.0),
-            checkpoint: CheckpointPolicy::EveryBlock,
+            recompute: RecomputePolicy::EveryBlock,
             optimizer, // AdamW by default: no decay on biases, norms, embeddings (below)
             ..DataParallelConfig::default()
         };
@@ -166,7 +166,10 @@ fn main() -> Result<()> {
     };
     let outs = kiln::comm::spawn(dp, train).map_err(|e| anyhow::anyhow!("{e}"))?;
     let (from, loss) = outs[0];
-    println!("custom loop: steps {from}..{steps} on {dp} ranks, ZeRO-{zero}, final loss {loss:.4}");
+    println!(
+        "custom loop: steps {from}..{steps} on {dp} ranks, ZeRO-{}, final loss {loss:.4}",
+        zero.number()
+    );
     println!("  outputs in {}", out.display());
     Ok(())
 }

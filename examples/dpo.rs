@@ -19,7 +19,7 @@ use kiln_ckpt::{ReshardRequest, Stateful, Step};
 use kiln_comm::Communicator;
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_monitor::{ConsoleSink, JsonlSink, MetricSink, MultiSink, StepMetrics};
-use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage};
+use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, ZeroStage};
 use kiln_precision::NoScaler;
 use kiln_tune::{
     last_word_pairs, model_log_probs, preference_batch, DpoConfig, DpoObjective, ExampleLoader,
@@ -43,8 +43,8 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 1)]
     tp: usize,
     /// ZeRO stage, 0-3
-    #[arg(long, value_name = "STAGE", default_value_t = 1)]
-    zero: u8,
+    #[arg(long, value_name = "STAGE", default_value = "1")]
+    zero: ZeroStage,
     /// DPO steps
     #[arg(long, value_name = "N", default_value_t = 150)]
     steps: u64,
@@ -113,7 +113,7 @@ fn rank(world: Arc<dyn Communicator>, a: &Args) -> Result<Report> {
     let hrefs: Vec<&PreferencePair> = held_out.iter().collect();
     let hb = preference_batch(&hrefs, CTX, &Device::Cpu)?;
     let dpc = DataParallelConfig {
-        stage: Stage::from_number(a.zero)?,
+        stage: a.zero,
         max_grad_norm: Some(1.0),
         ..Default::default()
     };
@@ -137,7 +137,7 @@ fn rank(world: Arc<dyn Communicator>, a: &Args) -> Result<Report> {
         engine.step(&rm, &[RewardModel::micro_batch(&b)?], 1e-3, &mut NoScaler)?;
         rm.take_stats();
     }
-    if dpc.stage == Stage::Zero3 {
+    if dpc.stage == ZeroStage::Zero3 {
         write_back(&engine, &rm.segment_param_lists())?;
     }
     let rm_after = rm.evaluate(&hb)?.accuracy();
@@ -217,7 +217,7 @@ fn rank(world: Arc<dyn Communicator>, a: &Args) -> Result<Report> {
         }
     }
     sink.close()?;
-    if dpc.stage == Stage::Zero3 {
+    if dpc.stage == ZeroStage::Zero3 {
         write_back(&engine, &policy.segment_param_lists())?;
     }
     let after = dpo.evaluate(&hb, &h_ref)?;
@@ -255,7 +255,7 @@ fn main() -> Result<()> {
         a.dp * a.tp,
         a.dp,
         a.tp,
-        a.zero
+        a.zero.number()
     );
     let shared = a.clone();
     let outs = kiln_comm::spawn(a.dp * a.tp, move |comm| rank(Arc::new(comm), &shared))

@@ -16,7 +16,7 @@
 static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
-use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, ShardingStage};
+use kiln_memory::{MemPrecision, MemoryPlan, RecomputePolicy};
 use kiln_model::{GptConfig, PRESET_NAMES};
 use kiln_train::{run_with, Pretrained, RunConfig, Trainer};
 use kiln_tune::{LoraConfig, LoraTarget};
@@ -229,16 +229,11 @@ fn main() -> Result<()> {
     let plan = MemoryPlan {
         shape,
         precision: MemPrecision::F32,
-        stage: match cfg.parallel.zero {
-            0 => ShardingStage::Replicated,
-            1 => ShardingStage::Zero1,
-            2 => ShardingStage::Zero2,
-            _ => ShardingStage::Zero3,
-        },
+        stage: cfg.parallel.zero,
         dp: a.dp as u64,
         tp: tp as u64,
         micro_batch: cfg.train.micro_batch as u64,
-        checkpointing: CheckpointPolicy::None,
+        recompute: RecomputePolicy::None,
         bucket_bytes: 25 << 20,
         sequence_parallel: false,
     };

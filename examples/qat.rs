@@ -15,6 +15,7 @@ static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
+use kiln_ckpt::ZeroStage;
 use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LocalFs, RankState, Stateful, Step};
 use kiln_comm::Communicator;
 use kiln_data::{default_cache_dir, prepare_corpus, DataLoader, LoaderConfig, PrepareConfig};
@@ -153,7 +154,7 @@ fn finetune(
     let mut lc = LoaderConfig::new(CTX, rows);
     (lc.dp, lc.rank, lc.seed) = (a.dp, world.rank(), 11);
     let mut loader = DataLoader::new(train.to_vec(), None, lc)?;
-    let layout = Layout::new(a.dp, 1, 0)?;
+    let layout = Layout::new(a.dp, 1, ZeroStage::Replicated)?;
     let storage = Arc::new(LocalFs::new(a.out.join(name).join("checkpoints"))?);
     let mut ckpt = Checkpointer::new(storage, CheckpointConfig::new(layout, name))?;
     let mut step = Step(0);

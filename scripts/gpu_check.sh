@@ -211,7 +211,7 @@ EOF
   echo "== throughput: gpt3_small and gpt3_medium, bf16, kiln beside PyTorch"
   for preset in gpt3_small gpt3_medium; do
     "$bundle/train_gpt" --preset "$preset" --steps 30 --dp 1 --tp 1 --precision bf16 \
-      --activation_checkpointing none --device cuda --ctx 1024 --batch 8 \
+      --recompute none --device cuda --ctx 1024 --batch 8 \
       --eval_every 0 --ckpt_every 0 --metrics.png off --metrics.tensorboard off \
       --metrics.peak_flops_per_s 989e12 --out "runs/gpu_bench_$preset" | tail -3
     python3 "$bundle/torch_gpt.py" --preset "$preset" --steps 30 --ctx 1024 --batch 8 || true

@@ -9,7 +9,7 @@
 
 mod common;
 
-use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LocalFs, ReshardRequest, Want};
+use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LocalFs, ReshardRequest, Want, ZeroStage};
 use kiln_testkit::{run_with_deadline, ProcessRun};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -70,7 +70,7 @@ fn params(out: &Path, step: u64) -> BTreeMap<String, Vec<f32>> {
     let comm = kiln_comm::ThreadComm::group(1, Default::default())
         .unwrap()
         .remove(0);
-    let layout = Layout::new(1, 1, 0).unwrap();
+    let layout = Layout::new(1, 1, ZeroStage::Replicated).unwrap();
     let storage = Arc::new(LocalFs::new(out.join("checkpoints")).unwrap());
     let ck = Checkpointer::new(storage, CheckpointConfig::new(layout, "gpt-tiny")).unwrap();
     let req = ReshardRequest::new(layout).part("engine", Want::Full);

@@ -161,7 +161,7 @@ fn the_data_parallel_engine_continues_bitwise_through_a_checkpoint() {
     use candle_core::{Device, Tensor};
     use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LocalFs, ReshardRequest};
     use kiln_model::{Gpt, GptConfig, GptOptions};
-    use kiln_parallel::{DataParallel, DataParallelConfig, Stage};
+    use kiln_parallel::{DataParallel, DataParallelConfig, ZeroStage};
     use kiln_precision::NoScaler;
     use std::sync::Arc;
 
@@ -175,7 +175,7 @@ fn the_data_parallel_engine_continues_bitwise_through_a_checkpoint() {
         )
         .unwrap()
     };
-    for (stage, zero) in [(Stage::Replicated, 0u8), (Stage::Zero3, 3)] {
+    for (stage, zero) in [(ZeroStage::Replicated, 0u8), (ZeroStage::Zero3, 3)] {
         let dir =
             std::env::temp_dir().join(format!("kiln-engine-rt-{}-{zero}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -195,7 +195,7 @@ fn the_data_parallel_engine_continues_bitwise_through_a_checkpoint() {
             for s in 0..2 {
                 a.step(&ma, &[batch(s, comm.rank())], 1e-3, &mut scaler)?;
             }
-            let layout = Layout::new(2, 1, zero)?;
+            let layout = Layout::new(2, 1, stage)?;
             let mut ck = Checkpointer::new(
                 Arc::new(LocalFs::new(&dir)?),
                 CheckpointConfig::new(layout, "tiny"),

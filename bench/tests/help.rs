@@ -8,8 +8,8 @@ use std::process::Command;
 fn every_benchmark_lists_its_flags() {
     let benches: [(&str, &str, &[&str]); 10] = [
         (
-            "bench_checkpointing",
-            env!("CARGO_BIN_EXE_bench_checkpointing"),
+            "bench_recompute",
+            env!("CARGO_BIN_EXE_bench_recompute"),
             &["--batch", "--layers", "--reps"],
         ),
         (
@@ -67,7 +67,7 @@ fn every_benchmark_lists_its_flags() {
                 "--dp",
                 "--tp",
                 "--zero",
-                "--checkpointing",
+                "--recompute",
                 "--steps",
                 "--lr",
                 "--bare-candle",

@@ -23,9 +23,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use kiln_comm::{Communicator, ThreadComm, ThreadCommConfig};
-use kiln_memory::{CheckpointPolicy as Policy, MicroBatch};
+use kiln_memory::{MicroBatch, RecomputePolicy as Policy};
 use kiln_model::{Gpt, GptConfig, GptOptions};
-use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage};
+use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, ZeroStage};
 use kiln_precision::{DynamicLossScaler, NoScaler};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -134,7 +134,7 @@ pub fn train_lora_dpo_rank(
     };
     reference.freeze(|_| true);
     let dpc = DataParallelConfig {
-        stage: Stage::Zero1,
+        stage: ZeroStage::Zero1,
         max_grad_norm: Some(1.0),
         optimizer: kiln_optim::OptimizerConfig::AdamW(kiln_optim::AdamWConfig {
             eps: 1e-3,
@@ -407,7 +407,7 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
     };
     if let Some(msg) = on_first(&*world, 2, |sub| {
         let (plain, lp) = train_rank(sub.clone(), &tiny, 2, 1, base, false, false, 3)?;
-        for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        for stage in [ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3] {
             let (z, lz) = train_rank(
                 sub.clone(),
                 &tiny,
@@ -431,7 +431,7 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
     }
     // dp x tp with ZeRO-1 and fp16 against one rank
     let dpc = DataParallelConfig {
-        stage: Stage::Zero1,
+        stage: ZeroStage::Zero1,
         max_grad_norm: Some(1.0),
         ..Default::default()
     };
@@ -466,7 +466,7 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
     // selective and full recomputation against none at the main job's layout, bitwise: the
     // sequence-parallel all-gathers a selective block dropped run again in the backward
     if let Some(msg) = on_first(&*world, 4, |sub| {
-        let with = |checkpoint| DataParallelConfig { checkpoint, ..dpc };
+        let with = |recompute| DataParallelConfig { recompute, ..dpc };
         let (plain, lp) = train_rank(sub.clone(), &tiny, 2, 2, with(Policy::None), true, true, 3)?;
         for policy in [Policy::Selective(1), Policy::EveryBlock] {
             let (p, l) = train_rank(sub.clone(), &tiny, 2, 2, with(policy), true, true, 3)?;

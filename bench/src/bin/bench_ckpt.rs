@@ -26,7 +26,7 @@ static GLOBAL: kiln_train::alloc::KilnAlloc = kiln_train::alloc::KilnAlloc;
 
 use kiln_ckpt::{
     CheckpointConfig, Checkpointer, DType, Guarded, Layout, LocalFs, RankState, Retention,
-    Snapshot, StateDict, Stateful, Storage, TensorSpec,
+    Snapshot, StateDict, Stateful, Storage, TensorSpec, ZeroStage,
 };
 use kiln_comm::{spawn, Communicator};
 use std::collections::BTreeMap;
@@ -135,7 +135,7 @@ fn main() {
         let dir = root.join(format!("ckpt-{ranks}"));
         let storage: Arc<dyn Storage> = Arc::new(LocalFs::new(&dir).unwrap());
         let per_rank = params / ranks;
-        let layout = Layout::new(ranks, 1, 0).unwrap();
+        let layout = Layout::new(ranks, 1, ZeroStage::Replicated).unwrap();
         let cfg = CheckpointConfig::new(layout, "bench").with_retention(Retention::keep_last(1));
         let results = spawn(ranks, |comm| {
             let mut ck = Checkpointer::new(Arc::clone(&storage), cfg.clone())?;

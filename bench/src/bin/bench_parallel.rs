@@ -16,7 +16,7 @@ static GLOBAL: kiln_train::alloc::KilnAlloc = kiln_train::alloc::KilnAlloc;
 use candle_core::{Device, Tensor};
 use kiln_comm::{spawn, Communicator, ThreadComm};
 use kiln_model::{Gpt, GptConfig, GptOptions};
-use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage};
+use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, ZeroStage};
 use kiln_precision::NoScaler;
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +25,7 @@ struct Case {
     name: &'static str,
     dp: usize,
     tp: usize,
-    stage: Stage,
+    stage: ZeroStage,
     overlap: bool,
 }
 
@@ -70,56 +70,56 @@ fn main() -> anyhow::Result<()> {
             name: "dp1",
             dp: 1,
             tp: 1,
-            stage: Stage::Replicated,
+            stage: ZeroStage::Replicated,
             overlap: true,
         },
         Case {
             name: "dp2_overlap",
             dp: 2,
             tp: 1,
-            stage: Stage::Replicated,
+            stage: ZeroStage::Replicated,
             overlap: true,
         },
         Case {
             name: "dp2_no_overlap",
             dp: 2,
             tp: 1,
-            stage: Stage::Replicated,
+            stage: ZeroStage::Replicated,
             overlap: false,
         },
         Case {
             name: "dp2_zero1",
             dp: 2,
             tp: 1,
-            stage: Stage::Zero1,
+            stage: ZeroStage::Zero1,
             overlap: true,
         },
         Case {
             name: "dp2_zero2",
             dp: 2,
             tp: 1,
-            stage: Stage::Zero2,
+            stage: ZeroStage::Zero2,
             overlap: true,
         },
         Case {
             name: "dp2_zero3",
             dp: 2,
             tp: 1,
-            stage: Stage::Zero3,
+            stage: ZeroStage::Zero3,
             overlap: true,
         },
         Case {
             name: "tp2",
             dp: 1,
             tp: 2,
-            stage: Stage::Replicated,
+            stage: ZeroStage::Replicated,
             overlap: true,
         },
         Case {
             name: "dp2_tp2_zero1",
             dp: 2,
             tp: 2,
-            stage: Stage::Zero1,
+            stage: ZeroStage::Zero1,
             overlap: true,
         },
     ];

@@ -36,15 +36,15 @@
 //! cargo run --release -p kiln-bench --bin bench_train
 //! cargo run --release -p kiln-bench --bin bench_train -- --bare-candle
 //! cargo run --release -p kiln-bench --bin bench_train -- --d-model 512 --layers 8 --heads 8 --ctx 256 --batch 4
-//! cargo run --release -p kiln-bench --bin bench_train -- --dtype bf16 --dp 2 --zero 1 --checkpointing every_block
+//! cargo run --release -p kiln-bench --bin bench_train -- --dtype bf16 --dp 2 --zero 1 --recompute every_block
 //! ```
 //!
 //! Flags: `--preset NAME`, `--d-model N`, `--layers N`, `--heads N`, `--ctx N` (context and
 //! sequence length), `--vocab N`, `--batch N` (global sequences per step), `--dtype
-//! f32|bf16|f16`, `--dp N`, `--tp N`, `--zero 0..3`, `--checkpointing
+//! f32|bf16|f16`, `--dp N`, `--tp N`, `--zero 0..3`, `--recompute
 //! none|every_block|every_<k>|selective|selective_<k>`, `--steps N` (default 25; the median
 //! is over steps 5 to N), `--lr X`, `--bare-candle` (no
-//! value; f32, dp 1, tp 1, ZeRO 0 and no checkpointing only), `--sequence-parallel` (no value;
+//! value; f32, dp 1, tp 1, ZeRO 0 and no recomputation only), `--sequence-parallel` (no value;
 //! Megatron's sequence parallelism when `--tp` is above 1).
 
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
@@ -53,9 +53,9 @@ static GLOBAL: kiln_train::alloc::KilnAlloc = kiln_train::alloc::KilnAlloc;
 
 use kiln_comm::{spawn, Communicator, ThreadComm};
 use kiln_data::{prepare_corpus, DataLoader, LoaderConfig, PrepareConfig, Verify};
-use kiln_memory::CheckpointPolicy;
+use kiln_memory::RecomputePolicy;
 use kiln_model::{Gpt, GptConfig, GptOptions};
-use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, Stage};
+use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, ZeroStage};
 use kiln_precision::{DynamicLossScaler, DynamicScalerConfig, LossScaler, NoScaler};
 use std::sync::Arc;
 use std::time::Instant;
@@ -116,7 +116,7 @@ struct Report<'a> {
     tp: usize,
     sequence_parallel: bool,
     zero_stage: u8,
-    checkpointing: CheckpointPolicy,
+    recompute: RecomputePolicy,
     steps: usize,
     /// The slowest rank's median step.
     step_s: f64,
@@ -137,7 +137,7 @@ impl Report<'_> {
             kiln_parallel::tp::Bf16Kernel::Fma => "fma",
         };
         format!(
-            "{{\"bench\":\"train\",\"mode\":\"{}\",\"preset\":\"{}\",\"d_model\":{},\"layers\":{},\"heads\":{},\"ctx\":{seq},\"vocab\":{},\"params\":{},\"batch\":{},\"dtype\":\"{}\",\"bf16_kernel\":\"{}\",\"dp\":{},\"tp\":{},\"sequence_parallel\":{},\"zero_stage\":{},\"checkpointing\":\"{}\",\"steps\":{},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"data_s\":{:.4},\"forward_s\":{:.4},\"backward_s\":{:.4},\"grad_sync_s\":{:.4},\"optimizer_s\":{:.4},\"other_s\":{other:.4},\"peak_rss_mib\":{:.1}}}",
+            "{{\"bench\":\"train\",\"mode\":\"{}\",\"preset\":\"{}\",\"d_model\":{},\"layers\":{},\"heads\":{},\"ctx\":{seq},\"vocab\":{},\"params\":{},\"batch\":{},\"dtype\":\"{}\",\"bf16_kernel\":\"{}\",\"dp\":{},\"tp\":{},\"sequence_parallel\":{},\"zero_stage\":{},\"recompute\":\"{}\",\"steps\":{},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"data_s\":{:.4},\"forward_s\":{:.4},\"backward_s\":{:.4},\"grad_sync_s\":{:.4},\"optimizer_s\":{:.4},\"other_s\":{other:.4},\"peak_rss_mib\":{:.1}}}",
             self.mode,
             self.preset,
             self.cfg.d_model,
@@ -152,7 +152,7 @@ impl Report<'_> {
             self.tp,
             self.sequence_parallel,
             self.zero_stage,
-            self.checkpointing,
+            self.recompute,
             self.steps,
             tokens / self.step_s,
             self.step_s,
@@ -204,16 +204,16 @@ struct Args {
     /// ZeRO stage, 0-3
     #[arg(long, value_name = "STAGE", default_value_t = 0)]
     zero: u8,
-    /// Activation checkpointing: none, every_block, every_K, selective or selective_K
+    /// Activation recompute: none, every_block, every_K, selective or selective_K
     #[arg(long, value_name = "POLICY", default_value = "none")]
-    checkpointing: CheckpointPolicy,
+    recompute: RecomputePolicy,
     /// Steps (the median is over steps 5 to N; at least 6)
     #[arg(long, value_name = "N", default_value_t = 25)]
     steps: usize,
     /// Learning rate
     #[arg(long, value_name = "LR", default_value_t = 1e-3)]
     lr: f32,
-    /// The same model as a plain candle loop (f32, one rank, no ZeRO or checkpointing)
+    /// The same model as a plain candle loop (f32, one rank, no ZeRO or recomputation)
     #[arg(long)]
     bare_candle: bool,
     /// Megatron's sequence parallelism when --tp is above 1
@@ -245,10 +245,10 @@ fn main() -> anyhow::Result<()> {
     let seq = cfg.n_ctx;
     let global_batch = args.batch;
     let (dp, tp) = (args.dp, args.tp);
-    let stage = Stage::from_number(args.zero)?;
+    let stage = ZeroStage::from_number(args.zero)?;
     let steps = args.steps.max(6);
     let lr: f32 = args.lr;
-    let checkpoint: CheckpointPolicy = args.checkpointing;
+    let recompute: RecomputePolicy = args.recompute;
     let dtype_name = args.dtype.clone();
     let dtype = match dtype_name.as_str() {
         "f32" => candle_core::DType::F32,
@@ -270,7 +270,7 @@ fn main() -> anyhow::Result<()> {
         tp,
         sequence_parallel: sequence_parallel && tp > 1,
         zero_stage: stage.number(),
-        checkpointing: checkpoint,
+        recompute,
         steps,
         step_s,
         parts,
@@ -283,9 +283,9 @@ fn main() -> anyhow::Result<()> {
         if dp != 1 || tp != 1 {
             anyhow::bail!("--bare-candle runs one rank only, got --dp {dp} --tp {tp}");
         }
-        if stage != Stage::Replicated || checkpoint != CheckpointPolicy::None {
+        if stage != ZeroStage::Replicated || recompute != RecomputePolicy::None {
             anyhow::bail!(
-                "--bare-candle has no ZeRO or activation checkpointing, got --zero {} --checkpointing {checkpoint}",
+                "--bare-candle has no ZeRO or activation recomputation, got --zero {} --recompute {recompute}",
                 stage.number()
             );
         }
@@ -331,7 +331,7 @@ fn main() -> anyhow::Result<()> {
         let dpc = DataParallelConfig {
             stage,
             max_grad_norm: Some(1.0),
-            checkpoint,
+            recompute,
             ..Default::default()
         };
         let mut engine = DataParallel::new(&model.segment_param_lists(), &*groups.dp, dpc)?

@@ -1,11 +1,13 @@
 //! The world layout a checkpoint was saved with.
 
 use crate::error::{CkptError, Result};
+use kiln_state::ZeroStage;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// How the ranks of a run are arranged: `dp` data-parallel replicas times `tp`
-/// tensor-parallel ranks, with ZeRO stage `zero_stage` (0 = plain data parallel).
+/// tensor-parallel ranks, with ZeRO stage `zero_stage` (written as its number in the
+/// manifest, 0 = plain data parallel).
 ///
 /// The world size is `dp * tp`; a rank's file is named by its global rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -14,13 +16,13 @@ pub struct Layout {
     pub dp: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
-    /// ZeRO stage, 0 to 3.
-    pub zero_stage: u8,
+    /// The ZeRO stage.
+    pub zero_stage: ZeroStage,
 }
 
 impl Layout {
-    /// A validated layout: `dp` and `tp` at least 1, `zero_stage` at most 3.
-    pub fn new(dp: usize, tp: usize, zero_stage: u8) -> Result<Self> {
+    /// A validated layout: `dp` and `tp` at least 1.
+    pub fn new(dp: usize, tp: usize, zero_stage: ZeroStage) -> Result<Self> {
         let l = Layout { dp, tp, zero_stage };
         l.validate()?;
         Ok(l)
@@ -31,22 +33,16 @@ impl Layout {
         Layout {
             dp: 1,
             tp: 1,
-            zero_stage: 0,
+            zero_stage: ZeroStage::Replicated,
         }
     }
 
-    /// Checks the degrees and stage.
+    /// Checks the degrees.
     pub fn validate(&self) -> Result<()> {
         if self.dp == 0 || self.tp == 0 {
             return Err(CkptError::Config(format!(
                 "dp ({}) and tp ({}) must be at least 1",
                 self.dp, self.tp
-            )));
-        }
-        if self.zero_stage > 3 {
-            return Err(CkptError::Config(format!(
-                "zero stage {} is not one of 0, 1, 2, 3",
-                self.zero_stage
             )));
         }
         if self.dp.checked_mul(self.tp).is_none() {
@@ -66,6 +62,12 @@ impl Layout {
 
 impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "dp={} tp={} zero={}", self.dp, self.tp, self.zero_stage)
+        write!(
+            f,
+            "dp={} tp={} zero={}",
+            self.dp,
+            self.tp,
+            self.zero_stage.number()
+        )
     }
 }

@@ -1,11 +1,11 @@
 //! Checkpoints for kiln: save every component's state so a run resumes bitwise after a
 //! crash, on the same or on another number of ranks.
 //!
-//! - [`TensorData`]: a plain typed tensor (dtype, shape, little-endian bytes), independent of
-//!   any tensor library; [`StateDict`]: one component's named tensors (each optionally a
-//!   [`Shard`] of a global tensor) and JSON metadata; [`Stateful`]: the trait components
-//!   implement (model, optimizer, scaler, schedule, data loader, [`RngState`], [`Step`]);
-//!   [`RankState`]: all the parts one rank saves.
+//! - kiln-state's types, re-exported so one import serves (they live there, below every
+//!   crate with state): [`TensorData`], a plain typed tensor; [`StateDict`], one component's
+//!   named tensors (each optionally a [`Shard`] of a global tensor) and JSON metadata;
+//!   [`Stateful`], the trait components implement (model, optimizer, scaler, schedule, data
+//!   loader, [`RngState`], [`Step`]). Here: [`RankState`], all the parts one rank saves.
 //! - [`Checkpointer`]: collective save (synchronous, or [`Checkpointer::save_async`] on a
 //!   background thread; with [`Checkpointer::save_async_snapshot`] the copy of each
 //!   [`Guarded`] component deferred into a [`Snapshot`] runs there too, and the loop's next
@@ -89,6 +89,6 @@ pub use state::{KeyReport, LoadOptions, RankState};
 // re-exported here so that a checkpoint's users need one import.
 pub use kiln_state::{
     DType, Element, FlatShard, RngState, Shard, ShardSpec, StateDict, StateError, Stateful, Step,
-    TensorData, TensorSpec, Want,
+    TensorData, TensorSpec, Want, ZeroStage,
 };
 pub use storage::{LocalFs, Storage, StorageReader, StorageWriter};

@@ -251,7 +251,7 @@ mod tests {
             format: MANIFEST_FORMAT.to_string(),
             version: FORMAT_VERSION,
             step: 10,
-            layout: Layout::new(1, 2, 0).unwrap(),
+            layout: Layout::new(1, 2, kiln_state::ZeroStage::Replicated).unwrap(),
             model_hash: "gpt-tiny".to_string(),
             files,
             user: [("lr".to_string(), Value::from(0.001))].into(),

@@ -5,6 +5,7 @@
 mod common;
 
 use common::{sample_state, values, FailingStorage, TempDir};
+use kiln_ckpt::ZeroStage;
 use kiln_ckpt::{
     CheckpointConfig, Checkpointer, CkptError, Layout, LocalFs, RankState, StateDict, Stateful,
     Storage,
@@ -14,7 +15,7 @@ use kiln_testkit::run_ranks;
 use std::sync::{Arc, Mutex};
 
 fn config() -> CheckpointConfig {
-    CheckpointConfig::new(Layout::new(2, 1, 2).unwrap(), "async")
+    CheckpointConfig::new(Layout::new(2, 1, ZeroStage::Zero2).unwrap(), "async")
 }
 
 fn files_of(dir: &TempDir, step: &str) -> Vec<(String, Vec<u8>)> {

@@ -5,6 +5,7 @@
 mod common;
 
 use common::{sample_state, FailingStorage, TempDir};
+use kiln_ckpt::ZeroStage;
 use kiln_ckpt::{
     rank_file_name, step_dir, CheckpointConfig, Checkpointer, CkptError, Layout, LocalFs, Manifest,
     Storage, MANIFEST_FILE,
@@ -15,7 +16,7 @@ use sha2::{Digest, Sha256};
 use std::sync::{Arc, Mutex};
 
 fn config(dp: usize, tp: usize) -> CheckpointConfig {
-    CheckpointConfig::new(Layout::new(dp, tp, 1).unwrap(), "gpt-test")
+    CheckpointConfig::new(Layout::new(dp, tp, ZeroStage::Zero1).unwrap(), "gpt-test")
 }
 
 fn hex(b: &[u8]) -> String {
@@ -43,7 +44,7 @@ fn four_ranks_save_and_load_back_exactly() {
     )
     .unwrap();
     assert_eq!(m.step, 10);
-    assert_eq!(m.layout, Layout::new(2, 2, 1).unwrap());
+    assert_eq!(m.layout, Layout::new(2, 2, ZeroStage::Zero1).unwrap());
     assert_eq!(m.model_hash, "gpt-test");
     for (r, f) in m.files.iter().enumerate() {
         let bytes =
@@ -219,7 +220,7 @@ fn layout_world_and_model_are_checked_on_load() {
         "checkpoint layout is dp=2 tp=1 zero=1 but this run is dp=1 tp=2 zero=1; load it with load_resharded"
     );
     let out = run_ranks(2, |comm| {
-        let cfg = CheckpointConfig::new(Layout::new(2, 1, 1).unwrap(), "gpt-other");
+        let cfg = CheckpointConfig::new(Layout::new(2, 1, ZeroStage::Zero1).unwrap(), "gpt-other");
         let ck = Checkpointer::new(Arc::clone(&storage), cfg)?;
         Ok(ck.load_step(&comm, 3).unwrap_err().to_string())
     });

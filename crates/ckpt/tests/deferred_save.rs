@@ -6,6 +6,7 @@
 mod common;
 
 use common::{values, TempDir};
+use kiln_ckpt::ZeroStage;
 use kiln_ckpt::{
     CheckpointConfig, Checkpointer, CkptError, Guarded, Layout, RankState, Snapshot, StateDict,
     StateError, Stateful, Step, Storage,
@@ -15,7 +16,10 @@ use kiln_testkit::run_ranks;
 use std::sync::Arc;
 
 fn config() -> CheckpointConfig {
-    CheckpointConfig::new(Layout::new(2, 1, 0).unwrap(), "deferred")
+    CheckpointConfig::new(
+        Layout::new(2, 1, ZeroStage::Replicated).unwrap(),
+        "deferred",
+    )
 }
 
 /// A model whose parameters change every step.

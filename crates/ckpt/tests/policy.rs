@@ -4,6 +4,7 @@
 mod common;
 
 use common::{sample_state, TempDir};
+use kiln_ckpt::ZeroStage;
 use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, Retention, SavePolicy, Storage};
 use kiln_comm::Communicator;
 use kiln_testkit::run_ranks;
@@ -15,7 +16,7 @@ fn every_n_steps_with_keep_last_and_every_m() {
     let dir = TempDir::new("retention");
     let storage: Arc<dyn Storage> = dir.storage();
     let out = run_ranks(2, |comm| {
-        let cfg = CheckpointConfig::new(Layout::new(2, 1, 0).unwrap(), "p")
+        let cfg = CheckpointConfig::new(Layout::new(2, 1, ZeroStage::Replicated).unwrap(), "p")
             .with_policy(SavePolicy::every_steps(5))
             .with_retention(Retention::keep_last(2).and_every(20));
         let mut ck = Checkpointer::new(Arc::clone(&storage), cfg)?;
@@ -61,7 +62,7 @@ fn every_n_steps_with_keep_last_and_every_m() {
     }
     // the survivors still load
     run_ranks(2, |comm| {
-        let cfg = CheckpointConfig::new(Layout::new(2, 1, 0).unwrap(), "p");
+        let cfg = CheckpointConfig::new(Layout::new(2, 1, ZeroStage::Replicated).unwrap(), "p");
         let ck = Checkpointer::new(Arc::clone(&storage), cfg)?;
         for s in [20, 40, 45, 50] {
             assert_eq!(ck.load_step(&comm, s)?.state, sample_state(comm.rank(), s));
@@ -75,7 +76,7 @@ fn wall_time_policy_is_agreed_across_ranks() {
     let dir = TempDir::new("walltime");
     let storage: Arc<dyn Storage> = dir.storage();
     run_ranks(2, |comm| {
-        let cfg = CheckpointConfig::new(Layout::new(2, 1, 0).unwrap(), "p")
+        let cfg = CheckpointConfig::new(Layout::new(2, 1, ZeroStage::Replicated).unwrap(), "p")
             .with_policy(SavePolicy::every_duration(Duration::from_secs(30 * 60)));
         let mut ck = Checkpointer::new(Arc::clone(&storage), cfg)?;
         let now = Instant::now();
@@ -112,6 +113,17 @@ fn invalid_policies_are_rejected() {
         base.with_policy(SavePolicy::every_steps(0))
     )
     .is_err());
-    assert!(Layout::new(0, 2, 0).is_err());
-    assert!(Layout::new(1, 1, 4).is_err());
+    assert!(Layout::new(0, 2, ZeroStage::Replicated).is_err());
+    // a fifth ZeRO stage is not a stage: refused where a manifest or a config is read
+    assert!(ZeroStage::from_number(4).is_err());
+    let e = serde_json::from_str::<Layout>(r#"{"dp": 1, "tp": 1, "zero_stage": 4}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("got 4"), "{e}");
+    let l: Layout = serde_json::from_str(r#"{"dp": 2, "tp": 1, "zero_stage": 3}"#).unwrap();
+    assert_eq!(l, Layout::new(2, 1, ZeroStage::Zero3).unwrap());
+    assert_eq!(
+        serde_json::to_string(&l).unwrap(),
+        r#"{"dp":2,"tp":1,"zero_stage":3}"#
+    );
 }

@@ -8,6 +8,7 @@
 mod common;
 
 use common::{sample_state, TempDir};
+use kiln_ckpt::ZeroStage;
 use kiln_ckpt::{CheckpointConfig, Checkpointer, DType, Layout, Storage};
 use kiln_comm::Communicator;
 use kiln_testkit::{run_ranks, Python};
@@ -89,7 +90,7 @@ fn python_safetensors_reads_our_files() {
     let dir = TempDir::new("python");
     let storage: Arc<dyn Storage> = dir.storage();
     run_ranks(2, |comm| {
-        let cfg = CheckpointConfig::new(Layout::new(2, 1, 0).unwrap(), "py");
+        let cfg = CheckpointConfig::new(Layout::new(2, 1, ZeroStage::Replicated).unwrap(), "py");
         let mut ck = Checkpointer::new(Arc::clone(&storage), cfg)?;
         ck.save(&comm, 7, &state(comm.rank()))?;
         Ok(())

@@ -14,6 +14,7 @@
 mod common;
 
 use common::{sample_state, TempDir};
+use kiln_ckpt::ZeroStage;
 use kiln_ckpt::{
     replaced_dir, step_dir, tmp_dir, CheckpointConfig, Checkpointer, CkptError, Layout, LocalFs,
     RankState, Result, Retention, Storage, StorageReader, StorageWriter,
@@ -26,7 +27,7 @@ use std::sync::{Arc, Mutex};
 const STEP: u64 = 10;
 
 fn config() -> CheckpointConfig {
-    CheckpointConfig::new(Layout::new(2, 1, 1).unwrap(), "gpt-test")
+    CheckpointConfig::new(Layout::new(2, 1, ZeroStage::Zero1).unwrap(), "gpt-test")
 }
 
 /// The content first committed as step 10.

@@ -5,6 +5,7 @@
 mod common;
 
 use common::{values, TempDir};
+use kiln_ckpt::ZeroStage;
 use kiln_ckpt::{
     CheckpointConfig, Checkpointer, CkptError, Layout, RankState, ReshardRequest, Shard, StateDict,
     Storage, TensorData, Want,
@@ -16,7 +17,10 @@ use std::sync::Arc;
 const N: usize = 1003;
 
 fn cfg(dp: usize, tp: usize, zero: u8) -> CheckpointConfig {
-    CheckpointConfig::new(Layout::new(dp, tp, zero).unwrap(), "gpt-reshard")
+    CheckpointConfig::new(
+        Layout::new(dp, tp, ZeroStage::from_number(zero).unwrap()).unwrap(),
+        "gpt-reshard",
+    )
 }
 
 fn flat_params() -> Vec<f32> {
@@ -61,7 +65,7 @@ fn zero_flat_shards_load_at_any_dp() {
                 parts: dp,
                 index: r,
             };
-            let req = ReshardRequest::new(Layout::new(dp, 1, 3)?).otherwise(want);
+            let req = ReshardRequest::new(Layout::new(dp, 1, ZeroStage::Zero3)?).otherwise(want);
             let loaded = ck.load_resharded(&comm, 100, &req)?;
             let range = chunk_range(N, dp, r);
             let model = loaded.state.part("model").unwrap();
@@ -82,10 +86,11 @@ fn zero_flat_shards_load_at_any_dp() {
     let storage3: Arc<dyn Storage> = dir3.storage();
     run_ranks(3, |comm| {
         let ck = Checkpointer::new(Arc::clone(&storage), cfg(3, 1, 1))?;
-        let req = ReshardRequest::new(Layout::new(3, 1, 1)?).otherwise(Want::FlatChunk {
-            parts: 3,
-            index: comm.rank(),
-        });
+        let req =
+            ReshardRequest::new(Layout::new(3, 1, ZeroStage::Zero1)?).otherwise(Want::FlatChunk {
+                parts: 3,
+                index: comm.rank(),
+            });
         let loaded = ck.load_resharded(&comm, 100, &req)?;
         let mut ck3 = Checkpointer::new(Arc::clone(&storage3), cfg(3, 1, 1))?;
         ck3.save(&comm, 101, &loaded.state)?;
@@ -93,10 +98,11 @@ fn zero_flat_shards_load_at_any_dp() {
     });
     run_ranks(4, |comm| {
         let ck = Checkpointer::new(Arc::clone(&storage3), cfg(4, 1, 3))?;
-        let req = ReshardRequest::new(Layout::new(4, 1, 3)?).otherwise(Want::FlatChunk {
-            parts: 4,
-            index: comm.rank(),
-        });
+        let req =
+            ReshardRequest::new(Layout::new(4, 1, ZeroStage::Zero3)?).otherwise(Want::FlatChunk {
+                parts: 4,
+                index: comm.rank(),
+            });
         let loaded = ck.load_resharded(&comm, 101, &req)?;
         assert_eq!(loaded.state, zero_state(4, comm.rank()));
         Ok(())
@@ -184,7 +190,7 @@ fn tensor_parallel_shards_load_at_tp1_and_tp4() {
     run_ranks(4, |comm| {
         let t = comm.rank();
         let ck = Checkpointer::new(Arc::clone(&storage), cfg(1, 4, 0))?;
-        let req = ReshardRequest::new(Layout::new(1, 4, 0)?)
+        let req = ReshardRequest::new(Layout::new(1, 4, ZeroStage::Replicated)?)
             .tensor(
                 "model/col",
                 Want::DimChunk {
@@ -227,7 +233,7 @@ fn tensor_parallel_shards_load_at_tp1_and_tp4() {
             parts: 4,
             index: comm.rank(),
         };
-        let req = ReshardRequest::new(Layout::new(1, 4, 0)?)
+        let req = ReshardRequest::new(Layout::new(1, 4, ZeroStage::Replicated)?)
             .tensor("model/col", chunk.clone())
             .tensor("model/emb", chunk);
         Ok(ck.load_resharded(&comm, 9, &req).unwrap_err())
@@ -267,7 +273,7 @@ fn dp_by_tp_replicas_and_flat_to_dim() {
     run_ranks(2, |comm| {
         let i = comm.rank();
         let ck = Checkpointer::new(Arc::clone(&storage), cfg(2, 1, 0))?;
-        let req = ReshardRequest::new(Layout::new(2, 1, 0)?)
+        let req = ReshardRequest::new(Layout::new(2, 1, ZeroStage::Replicated)?)
             .tensor("model/row", Want::Full)
             .tensor(
                 "model/colflat",
@@ -335,7 +341,8 @@ fn incomplete_or_inconsistent_shards_are_errors() {
     // a request for a world the communicator does not have
     let e = run_ranks(1, |comm| {
         let ck = Checkpointer::new(Arc::clone(&storage), cfg(1, 1, 0))?;
-        let req = ReshardRequest::new(Layout::new(2, 1, 0)?).otherwise(Want::Full);
+        let req =
+            ReshardRequest::new(Layout::new(2, 1, ZeroStage::Replicated)?).otherwise(Want::Full);
         Ok(ck.load_resharded(&comm, 1, &req).unwrap_err().to_string())
     });
     assert_eq!(

@@ -154,7 +154,7 @@ impl ImportArgs {
             cfg.data.corpora,
             cfg.parallel.dp,
             cfg.parallel.tp,
-            cfg.parallel.zero,
+            cfg.parallel.zero.number(),
             cfg.output_dir.display()
         );
         let results = run_with(&cfg, |ctx| {

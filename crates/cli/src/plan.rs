@@ -4,7 +4,7 @@
 //! data-parallel group, the activations of one micro-batch with and without activation
 //! checkpointing, and the communication buffers.
 
-use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, ShardingStage};
+use kiln_memory::{MemPrecision, MemoryPlan, RecomputePolicy, ZeroStage};
 use kiln_model::GptConfig;
 use std::fmt::Write;
 
@@ -47,7 +47,7 @@ fn gib(bytes: u64) -> String {
 
 impl PlanArgs {
     /// The plan of `stage` with these flags.
-    pub fn plan(&self, stage: ShardingStage) -> anyhow::Result<MemoryPlan> {
+    pub fn plan(&self, stage: ZeroStage) -> anyhow::Result<MemoryPlan> {
         let cfg = GptConfig::by_name(&self.preset)?;
         Ok(MemoryPlan {
             shape: cfg.shape(),
@@ -59,7 +59,7 @@ impl PlanArgs {
             dp: self.dp,
             tp: self.tp,
             micro_batch: self.micro_batch,
-            checkpointing: CheckpointPolicy::EveryBlock,
+            recompute: RecomputePolicy::EveryBlock,
             bucket_bytes: 25 << 20,
             sequence_parallel: self.sequence_parallel,
         })
@@ -83,7 +83,7 @@ impl PlanArgs {
             self.tp,
             if self.sequence_parallel { " sequence-parallel" } else { "" },
             self.micro_batch,
-            self.plan(ShardingStage::Replicated)?.precision
+            self.plan(ZeroStage::Replicated)?.precision
         )?;
         writeln!(
             out,
@@ -99,15 +99,15 @@ impl PlanArgs {
             "act (no ckpt)"
         )?;
         for (name, stage) in [
-            ("replicated", ShardingStage::Replicated),
-            ("zero-1", ShardingStage::Zero1),
-            ("zero-2", ShardingStage::Zero2),
-            ("zero-3", ShardingStage::Zero3),
+            ("replicated", ZeroStage::Replicated),
+            ("zero-1", ZeroStage::Zero1),
+            ("zero-2", ZeroStage::Zero2),
+            ("zero-3", ZeroStage::Zero3),
         ] {
             let plan = self.plan(stage)?;
             let e = plan.estimate()?;
             let no_ckpt = MemoryPlan {
-                checkpointing: CheckpointPolicy::None,
+                recompute: RecomputePolicy::None,
                 ..plan
             }
             .activation_bytes();

@@ -223,7 +223,7 @@ pub fn header(label: &str, cfg: &RunConfig) -> anyhow::Result<String> {
         gpt.param_count() as f64 / 1e6
     );
     out += &format!(
-        "  {} {} as dp={} x tp={}{}, ZeRO-{}, {} compute{}, {} steps of {} sequences, checkpointing {}, on {}",
+        "  {} {} as dp={} x tp={}{}, ZeRO-{}, {} compute{}, {} steps of {} sequences, recompute {}, on {}",
         cfg.parallel.world(),
         match cfg.parallel.backend {
             Backend::Thread => "thread ranks",
@@ -233,12 +233,12 @@ pub fn header(label: &str, cfg: &RunConfig) -> anyhow::Result<String> {
         cfg.parallel.dp,
         cfg.parallel.tp,
         if cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 { " (sequence-parallel)" } else { "" },
-        cfg.parallel.zero,
+        cfg.parallel.zero.number(),
         cfg.precision.compute,
         if cfg.precision.compute == kiln_precision::ComputeDType::F32 { "" } else { " with dynamic loss scaling" },
         cfg.train.steps,
         cfg.train.micro_batch * cfg.train.accumulation * cfg.parallel.dp,
-        cfg.train.activation_checkpointing,
+        cfg.train.recompute,
         cfg.device
     );
     if !cfg.data.mixture.is_empty() {

@@ -3,52 +3,10 @@
 use half::{bf16, f16};
 use std::fmt;
 
-/// The element type of a collective's buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum DType {
-    /// 32-bit IEEE float.
-    F32,
-    /// 64-bit IEEE float.
-    F64,
-    /// 16-bit IEEE float (reduced in f32).
-    F16,
-    /// bfloat16 (reduced in f32).
-    BF16,
-    /// 64-bit signed integer (wrapping sums).
-    I64,
-    /// 32-bit unsigned integer (wrapping sums).
-    U32,
-}
-
-impl DType {
-    /// Size of one element in bytes.
-    pub fn size_in_bytes(self) -> usize {
-        match self {
-            DType::F32 | DType::U32 => 4,
-            DType::F64 | DType::I64 => 8,
-            DType::F16 | DType::BF16 => 2,
-        }
-    }
-
-    /// Lowercase name, as in error messages (`f32`, `bf16`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::F64 => "f64",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::I64 => "i64",
-            DType::U32 => "u32",
-        }
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// The element type of a collective's buffer: kiln-state's [`DType`], the one element-type
+/// enum of kiln's stored and communicated tensors. Collectives carry every type but `U8`
+/// (see [`CommElem`]).
+pub use kiln_state::DType;
 
 /// How `all_reduce` and `reduce_scatter` combine the ranks' values.
 ///
@@ -290,6 +248,35 @@ float_reduce!(f64, f64, |x| x, |a| a);
 float_reduce!(f16, f32, f16::to_f32, f16::from_f32);
 float_reduce!(bf16, f32, bf16::to_f32, bf16::from_f32);
 
+impl Reduce for u8 {
+    type Acc = u8;
+    #[inline(always)]
+    fn widen(self) -> u8 {
+        self
+    }
+    #[inline(always)]
+    fn narrow(a: u8) -> Self {
+        a
+    }
+    #[inline(always)]
+    fn add(a: u8, b: u8) -> u8 {
+        a.wrapping_add(b)
+    }
+    #[inline(always)]
+    fn max(a: u8, b: u8) -> u8 {
+        Ord::max(a, b)
+    }
+    #[inline(always)]
+    fn min(a: u8, b: u8) -> u8 {
+        Ord::min(a, b)
+    }
+    #[inline(always)]
+    fn div(a: u8, n: usize) -> u8 {
+        // a world of more than 255 ranks does not fit a u8: divide in usize
+        u8::try_from(usize::from(a) / n.max(1)).unwrap_or(0)
+    }
+}
+
 macro_rules! int_reduce {
     ($t:ty) => {
         impl Reduce for $t {
@@ -422,6 +409,8 @@ pub(crate) unsafe fn reduce_bytes(
             DType::BF16 => typed::<bf16>(srcs, dsts, len, op),
             DType::I64 => typed::<i64>(srcs, dsts, len, op),
             DType::U32 => typed::<u32>(srcs, dsts, len, op),
+            // no buffer is of bytes (`u8` is no `CommElem`); summed as the other integers
+            DType::U8 => typed::<u8>(srcs, dsts, len, op),
         }
     }
 }

@@ -2,7 +2,7 @@
 //! above the memory-mapped files and below the staged batches.
 
 use crate::error::Result;
-use crate::shard::Shard;
+use crate::shard::TokenShard;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -77,7 +77,7 @@ impl ChunkCache {
     }
 
     /// Chunk `chunk` of `shard`, decoded.
-    pub fn chunk(&self, shard: &Shard, chunk: u64) -> Result<Arc<[u32]>> {
+    pub fn chunk(&self, shard: &TokenShard, chunk: u64) -> Result<Arc<[u32]>> {
         let key = (shard.id(), chunk);
         if self.capacity > 0 {
             let mut lru = self.lock();
@@ -111,7 +111,7 @@ impl ChunkCache {
     }
 
     /// Reads `out.len()` tokens of `shard` from `start`, through the cache.
-    pub fn read(&self, shard: &Shard, start: u64, out: &mut [u32]) -> Result<()> {
+    pub fn read(&self, shard: &TokenShard, start: u64, out: &mut [u32]) -> Result<()> {
         let end = start + out.len() as u64;
         if end > shard.len() {
             // let the shard produce its range error
@@ -143,7 +143,7 @@ mod tests {
         std::fs::create_dir_all(&d).unwrap();
         let toks: Vec<u32> = (0..1000).map(|i| i * 3).collect();
         write_shard(d.join("s.bin"), &toks, TokenDtype::U16).unwrap();
-        let s = Shard::open(d.join("s.bin")).unwrap();
+        let s = TokenShard::open(d.join("s.bin")).unwrap();
         let cache = ChunkCache::new(100, 2);
         let mut out = vec![0u32; 150];
         cache.read(&s, 50, &mut out).unwrap(); // chunks 0, 1: 2 misses

@@ -6,7 +6,7 @@
 //!   (tokenizer and train/validation shards under a cache folder, idempotent; optionally
 //!   dropping the training documents of highest perplexity, [`QualityConfig`]).
 //! - Shards: [`ShardWriter`] / [`write_shard`] write files with a checksummed header
-//!   (atomically); [`Shard`] maps one and validates it, with errors naming the file;
+//!   (atomically); [`TokenShard`] maps one and validates it, with errors naming the file;
 //!   [`TokenSource`] reads a source's shards as one stream of windows of `ctx + 1` tokens.
 //! - Order: [`DistributedSampler`] (a keyed permutation per epoch, a disjoint slice per rank,
 //!   equal batch counts, [`TailPolicy`]), [`Mixture`] (several sources with weights that can
@@ -84,8 +84,8 @@ pub use sampler::{
 };
 pub use schedule::{MixturePoint, MixtureSchedule};
 pub use shard::{
-    write_shard, Shard, ShardHeader, ShardLayout, ShardWriter, TokenDtype, Verify, HEADER_BYTES,
-    SHARD_MAGIC, SHARD_VERSION,
+    write_shard, ShardHeader, ShardLayout, ShardWriter, TokenDtype, TokenShard, Verify,
+    HEADER_BYTES, SHARD_MAGIC, SHARD_VERSION,
 };
 pub use source::TokenSource;
 pub use state::{LoaderState, SourceState, LOADER_STATE_VERSION};

@@ -6,7 +6,7 @@
 use crate::error::{DataError, Result};
 use crate::fsutil;
 use crate::quality::{documents, filter_documents, QualityConfig, QualityReport};
-use crate::shard::{Shard, ShardLayout, ShardWriter, TokenDtype, Verify};
+use crate::shard::{ShardLayout, ShardWriter, TokenDtype, TokenShard, Verify};
 use crate::source::TokenSource;
 use crate::tokenizer::{sample_text, Tokenizer};
 use serde::{Deserialize, Serialize};
@@ -240,7 +240,7 @@ fn reuse(cfg: &PrepareConfig, inputs: &[(u64, u32)]) -> Option<PreparedCorpus> {
         let total = |paths: &[PathBuf]| -> Option<u64> {
             paths
                 .iter()
-                .map(|p| Shard::open(p).ok().map(|s| s.len()))
+                .map(|p| TokenShard::open(p).ok().map(|s| s.len()))
                 .sum()
         };
         if total(&s.train)? != s.train_tokens || total(&s.val)? != s.val_tokens {

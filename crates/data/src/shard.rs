@@ -19,8 +19,8 @@
 //! job wrote for itself; the checkpoint manifests use it where files cross trust boundaries.
 //!
 //! Files are written atomically (temporary file, fsync, rename), so a reader never sees half a
-//! shard. [`Shard::open`] validates the header, the file size and the payload checksum; with
-//! [`Verify::HeaderOnly`] the payload check is left to an explicit [`Shard::verify`] (for very
+//! shard. [`TokenShard::open`] validates the header, the file size and the payload checksum; with
+//! [`Verify::HeaderOnly`] the payload check is left to an explicit [`TokenShard::verify`] (for very
 //! large shards whose full read at start-up would be too slow).
 
 use crate::error::{DataError, Result};
@@ -141,13 +141,13 @@ fn le_u64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(a)
 }
 
-/// How much of a shard [`Shard::open_with`] checks.
+/// How much of a shard [`TokenShard::open_with`] checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum Verify {
     /// Header, size and payload checksum (reads the whole file once).
     #[default]
     Full,
-    /// Header and size only; call [`Shard::verify`] for the payload.
+    /// Header and size only; call [`TokenShard::verify`] for the payload.
     HeaderOnly,
 }
 
@@ -155,14 +155,14 @@ static NEXT_SHARD_ID: AtomicU64 = AtomicU64::new(0);
 
 /// A read-only, memory-mapped token shard.
 #[derive(Debug)]
-pub struct Shard {
+pub struct TokenShard {
     path: PathBuf,
     map: memmap2::Mmap,
     header: ShardHeader,
     id: u64,
 }
 
-impl Shard {
+impl TokenShard {
     /// Opens and fully verifies a shard (see [`Verify::Full`]).
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         Self::open_with(path, Verify::Full)
@@ -200,7 +200,7 @@ impl Shard {
                 got: len,
             });
         }
-        let shard = Shard {
+        let shard = TokenShard {
             path,
             map,
             header,
@@ -522,7 +522,7 @@ mod tests {
             let p = d.join(format!("{}.bin", dtype.name()));
             let h = write_shard(&p, &toks, dtype).unwrap();
             assert_eq!(std::fs::metadata(&p).unwrap().len(), h.file_bytes());
-            let s = Shard::open(&p).unwrap();
+            let s = TokenShard::open(&p).unwrap();
             assert_eq!(s.to_vec(), toks);
             assert_eq!(s.dtype(), dtype);
             let mut w = [0u32; 5];
@@ -564,13 +564,13 @@ mod tests {
         let paths = w.finish().unwrap();
         let lens: Vec<u64> = paths
             .iter()
-            .map(|p| Shard::open(p).unwrap().len())
+            .map(|p| TokenShard::open(p).unwrap().len())
             .collect();
         assert_eq!(lens, vec![251, 251, 251, 250]);
         assert!(paths[2].ends_with("a/train_00002.bin"));
         let all: Vec<u32> = paths
             .iter()
-            .flat_map(|p| Shard::open(p).unwrap().to_vec())
+            .flat_map(|p| TokenShard::open(p).unwrap().to_vec())
             .collect();
         assert_eq!(all, toks);
 
@@ -587,12 +587,12 @@ mod tests {
         let paths = w.finish().unwrap();
         let lens: Vec<u64> = paths
             .iter()
-            .map(|p| Shard::open(p).unwrap().len())
+            .map(|p| TokenShard::open(p).unwrap().len())
             .collect();
         assert_eq!(lens, vec![300, 300, 300, 103]);
         let all: Vec<u32> = paths
             .iter()
-            .flat_map(|p| Shard::open(p).unwrap().to_vec())
+            .flat_map(|p| TokenShard::open(p).unwrap().to_vec())
             .collect();
         assert_eq!(all, toks);
         assert!(ShardWriter::new(&d, "x", TokenDtype::U16, ShardLayout::Count(0)).is_err());
@@ -615,12 +615,12 @@ mod tests {
         };
 
         let p = write("empty.bin", &[]);
-        let e = Shard::open(&p).unwrap_err();
+        let e = TokenShard::open(&p).unwrap_err();
         assert!(matches!(e, DataError::EmptyShard { .. }), "{e}");
         named(&e, &p);
 
         let p = write("short.bin", &bytes[..20]);
-        let e = Shard::open(&p).unwrap_err();
+        let e = TokenShard::open(&p).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -635,7 +635,7 @@ mod tests {
         named(&e, &p);
 
         let p = write("trunc.bin", &bytes[..bytes.len() - 3]);
-        let e = Shard::open(&p).unwrap_err();
+        let e = TokenShard::open(&p).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -653,14 +653,14 @@ mod tests {
         long.push(0);
         let p = write("long.bin", &long);
         assert!(matches!(
-            Shard::open(&p).unwrap_err(),
+            TokenShard::open(&p).unwrap_err(),
             DataError::Oversized { got: 1033, .. }
         ));
 
         let mut flip = bytes.clone();
         flip[HEADER_BYTES + 77] ^= 0x10;
         let p = write("flip.bin", &flip);
-        let e = Shard::open(&p).unwrap_err();
+        let e = TokenShard::open(&p).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -673,7 +673,7 @@ mod tests {
         );
         named(&e, &p);
         // header-only open defers the payload check to verify()
-        let s = Shard::open_with(&p, Verify::HeaderOnly).unwrap();
+        let s = TokenShard::open_with(&p, Verify::HeaderOnly).unwrap();
         assert!(matches!(
             s.verify().unwrap_err(),
             DataError::Checksum {
@@ -685,7 +685,7 @@ mod tests {
         let mut hflip = bytes.clone();
         hflip[17] ^= 0x01; // token count
         let p = write("hflip.bin", &hflip);
-        let e = Shard::open(&p).unwrap_err();
+        let e = TokenShard::open(&p).unwrap_err();
         assert!(
             matches!(e, DataError::Checksum { what: "header", .. }),
             "{e}"
@@ -694,12 +694,12 @@ mod tests {
         let mut magic = bytes.clone();
         magic[0] = b'X';
         let p = write("magic.bin", &magic);
-        let e = Shard::open(&p).unwrap_err();
+        let e = TokenShard::open(&p).unwrap_err();
         assert!(matches!(e, DataError::BadMagic { .. }), "{e}");
         named(&e, &p);
         let p = write("text.bin", b"hello world, not a shard at all");
         assert!(matches!(
-            Shard::open(&p).unwrap_err(),
+            TokenShard::open(&p).unwrap_err(),
             DataError::BadMagic { .. }
         ));
 
@@ -708,7 +708,7 @@ mod tests {
         let crc = crc32fast::hash(&v2[0..28]);
         v2[28..32].copy_from_slice(&crc.to_le_bytes());
         let p = write("v2.bin", &v2);
-        let e = Shard::open(&p).unwrap_err();
+        let e = TokenShard::open(&p).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -728,11 +728,11 @@ mod tests {
         dt[28..32].copy_from_slice(&crc.to_le_bytes());
         let p = write("dtype.bin", &dt);
         assert!(matches!(
-            Shard::open(&p).unwrap_err(),
+            TokenShard::open(&p).unwrap_err(),
             DataError::BadDtype { got: 9, .. }
         ));
 
-        let e = Shard::open(d.join("missing.bin")).unwrap_err();
+        let e = TokenShard::open(d.join("missing.bin")).unwrap_err();
         assert!(matches!(e, DataError::File { op: "open", .. }), "{e}");
         std::fs::remove_dir_all(&d).unwrap();
     }

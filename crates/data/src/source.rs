@@ -3,7 +3,7 @@
 
 use crate::cache::ChunkCache;
 use crate::error::{DataError, Result};
-use crate::shard::{Shard, Verify};
+use crate::shard::{TokenShard, Verify};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -18,14 +18,14 @@ use std::sync::Arc;
 #[derive(Debug, Clone)]
 pub struct TokenSource {
     name: String,
-    shards: Vec<Arc<Shard>>,
+    shards: Vec<Arc<TokenShard>>,
     /// starts[i] = first token of shard i; starts[len] = total
     starts: Vec<u64>,
 }
 
 impl TokenSource {
     /// A source over opened shards.
-    pub fn new(name: impl Into<String>, shards: Vec<Shard>) -> Self {
+    pub fn new(name: impl Into<String>, shards: Vec<TokenShard>) -> Self {
         let mut starts = Vec::with_capacity(shards.len() + 1);
         let mut t = 0u64;
         for s in &shards {
@@ -48,7 +48,7 @@ impl TokenSource {
     ) -> Result<Self> {
         let shards = paths
             .iter()
-            .map(|p| Shard::open_with(p, verify))
+            .map(|p| TokenShard::open_with(p, verify))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self::new(name, shards))
     }
@@ -64,7 +64,7 @@ impl TokenSource {
     }
 
     /// The shards.
-    pub fn shards(&self) -> &[Arc<Shard>] {
+    pub fn shards(&self) -> &[Arc<TokenShard>] {
         &self.shards
     }
 

@@ -2,7 +2,7 @@
 //! split is the end of each file, and a second call reuses what is there unless it changed.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use kiln_data::{prepare_corpus, split_validation, PrepareConfig, Shard, Verify};
+use kiln_data::{prepare_corpus, split_validation, PrepareConfig, TokenShard, Verify};
 use std::path::PathBuf;
 
 fn corpus_head(name: &str, bytes: usize) -> String {
@@ -45,7 +45,7 @@ fn prepare_round_trips_holds_out_the_end_and_is_idempotent() {
         let read = |paths: &[PathBuf]| -> Vec<u32> {
             paths
                 .iter()
-                .flat_map(|p| Shard::open(p).unwrap().to_vec())
+                .flat_map(|p| TokenShard::open(p).unwrap().to_vec())
                 .collect()
         };
         let (t, v) = (read(&s.train), read(&s.val));
@@ -126,7 +126,7 @@ fn a_given_tokenizer_is_used_and_checked() {
     );
     let austen = corpus_head("austen", 40_000);
     let (train, _) = split_validation(&austen, cfg.val_fraction);
-    let shard = Shard::open(&p.sources[0].train[0]).unwrap();
+    let shard = TokenShard::open(&p.sources[0].train[0]).unwrap();
     let mut ids = vec![0u32; shard.len() as usize];
     shard.read(0, &mut ids).unwrap();
     let mut want = tok_a.encode(train).unwrap();

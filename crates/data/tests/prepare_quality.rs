@@ -6,7 +6,7 @@
 
 use kiln_data::{
     prepare_corpus, split_validation, DataError, NgramLm, PrepareConfig, PreparedCorpus,
-    QualityConfig, QualityReport, Shard,
+    QualityConfig, QualityReport, TokenShard,
 };
 use std::path::{Path, PathBuf};
 
@@ -124,7 +124,7 @@ impl Drop for Fixture {
 fn tokens(paths: &[PathBuf]) -> Vec<u32> {
     paths
         .iter()
-        .flat_map(|p| Shard::open(p).unwrap().to_vec())
+        .flat_map(|p| TokenShard::open(p).unwrap().to_vec())
         .collect()
 }
 

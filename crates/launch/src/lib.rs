@@ -39,7 +39,7 @@ pub use nodelist::expand_nodelist;
 pub use progress::{ProgressLine, ProgressWatcher};
 pub use store::TcpStore;
 pub use supervise::{
-    Attempt, Decision, SuperviseEnd, SuperviseOutcome, Supervisor, SupervisorConfig,
+    Attempt, RestartDecision, SuperviseEnd, SuperviseOutcome, Supervisor, SupervisorConfig,
 };
 pub use token::{StoreToken, STORE_TOKEN_VAR};
 

@@ -92,42 +92,42 @@ impl SupervisorConfig {
     /// documentation for the rules.
     ///
     /// ```
-    /// use kiln_launch::{ChildExit, Decision, SupervisorConfig};
+    /// use kiln_launch::{ChildExit, RestartDecision, SupervisorConfig};
     /// let mut cfg = SupervisorConfig::new("train_gpt", &["--out", "runs/a"]);
     /// cfg.progress = Some("runs/a/metrics.jsonl".into());
     /// let code = |c| ChildExit { code: Some(c), signal: None };
     /// let killed = ChildExit { code: None, signal: Some(9) };
-    /// assert_eq!(cfg.decide(killed, Some(false)), Decision::Restart);
-    /// assert_eq!(cfg.decide(code(0), None), Decision::Done);
-    /// assert_eq!(cfg.decide(code(1), Some(true)), Decision::Restart);
-    /// assert!(matches!(cfg.decide(code(1), Some(false)), Decision::GiveUp(_)));
-    /// assert!(matches!(cfg.decide(code(78), Some(true)), Decision::GiveUp(_)));
-    /// assert_eq!(cfg.decide(code(75), Some(false)), Decision::Restart);
+    /// assert_eq!(cfg.decide(killed, Some(false)), RestartDecision::Restart);
+    /// assert_eq!(cfg.decide(code(0), None), RestartDecision::Done);
+    /// assert_eq!(cfg.decide(code(1), Some(true)), RestartDecision::Restart);
+    /// assert!(matches!(cfg.decide(code(1), Some(false)), RestartDecision::GiveUp(_)));
+    /// assert!(matches!(cfg.decide(code(78), Some(true)), RestartDecision::GiveUp(_)));
+    /// assert_eq!(cfg.decide(code(75), Some(false)), RestartDecision::Restart);
     /// ```
-    pub fn decide(&self, exit: ChildExit, wrote_progress: Option<bool>) -> Decision {
+    pub fn decide(&self, exit: ChildExit, wrote_progress: Option<bool>) -> RestartDecision {
         let Some(code) = exit.code else {
-            return Decision::Restart;
+            return RestartDecision::Restart;
         };
         if code == 0 {
-            return Decision::Done;
+            return RestartDecision::Done;
         }
         if self.fatal_codes.contains(&code) {
-            return Decision::GiveUp(format!(
+            return RestartDecision::GiveUp(format!(
                 "the run ended with {exit}, a usage or configuration error (fatal codes {:?}): \
                  a restart would fail the same way",
                 self.fatal_codes
             ));
         }
         if self.retry_codes.contains(&code) {
-            return Decision::Restart;
+            return RestartDecision::Restart;
         }
         match (wrote_progress, &self.progress) {
-            (Some(false), Some(p)) => Decision::GiveUp(format!(
+            (Some(false), Some(p)) => RestartDecision::GiveUp(format!(
                 "the run ended with {exit} before writing anything to {}: a configuration or \
                  start-up error, which a restart would repeat (its output above says what)",
                 p.display()
             )),
-            _ => Decision::Restart,
+            _ => RestartDecision::Restart,
         }
     }
 
@@ -151,7 +151,7 @@ impl SupervisorConfig {
 /// What the supervisor does after a child ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub enum Decision {
+pub enum RestartDecision {
     /// It succeeded: stop.
     Done,
     /// It crashed: relaunch (if restarts are left).
@@ -407,11 +407,11 @@ impl Supervisor {
             });
             let restarts = attempt;
             let end = match cfg.decide(exit, watcher.as_ref().map(|_| seen.any_line)) {
-                Decision::Done => {
+                RestartDecision::Done => {
                     log.emit(SuperviseEvent::Done { restarts })?;
                     SuperviseEnd::Succeeded
                 }
-                Decision::GiveUp(reason) => {
+                RestartDecision::GiveUp(reason) => {
                     log.emit(SuperviseEvent::GaveUp {
                         restarts,
                         exit,
@@ -419,7 +419,7 @@ impl Supervisor {
                     })?;
                     SuperviseEnd::Failed(reason)
                 }
-                Decision::Restart if restarts >= cfg.max_restarts => {
+                RestartDecision::Restart if restarts >= cfg.max_restarts => {
                     let reason = format!(
                         "the run ended with {exit} and all {} restart(s) are spent \
                          (--max-restarts {}): giving up",
@@ -432,7 +432,7 @@ impl Supervisor {
                     })?;
                     SuperviseEnd::Exhausted(reason)
                 }
-                Decision::Restart => {
+                RestartDecision::Restart => {
                     let restart = restarts + 1;
                     crashed = Some(ended);
                     let mut added = cfg.restart_args(restart);

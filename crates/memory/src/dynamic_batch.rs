@@ -4,7 +4,7 @@
 use crate::error::{MemoryError, Result};
 use crate::estimate::MemoryPlan;
 #[cfg(test)]
-use crate::segment::CheckpointPolicy;
+use crate::segment::RecomputePolicy;
 
 /// Micro-batch size chosen from a memory estimate.
 ///
@@ -16,12 +16,12 @@ use crate::segment::CheckpointPolicy;
 ///
 /// ```
 /// use kiln_memory::{
-///     CheckpointPolicy, DynamicBatch, MemPrecision, MemoryPlan, ModelShape, ShardingStage,
+///     RecomputePolicy, DynamicBatch, MemPrecision, MemoryPlan, ModelShape, ZeroStage,
 /// };
 /// let plan = MemoryPlan {
 ///     shape: ModelShape { n_layers: 4, d_model: 256, n_heads: 4, ctx: 128, vocab: 8192 },
-///     precision: MemPrecision::F32, stage: ShardingStage::Replicated,
-///     dp: 2, tp: 1, micro_batch: 1, checkpointing: CheckpointPolicy::None, bucket_bytes: 25 << 20,
+///     precision: MemPrecision::F32, stage: ZeroStage::Replicated,
+///     dp: 2, tp: 1, micro_batch: 1, recompute: RecomputePolicy::None, bucket_bytes: 25 << 20,
 ///     sequence_parallel: false,
 /// };
 /// let need8 = MemoryPlan { micro_batch: 8, ..plan }.estimate()?.total();
@@ -133,7 +133,8 @@ impl DynamicBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::estimate::{MemPrecision, ModelShape, ShardingStage};
+    use crate::estimate::{MemPrecision, ModelShape};
+    use kiln_state::ZeroStage;
 
     fn plan() -> MemoryPlan {
         MemoryPlan {
@@ -145,11 +146,11 @@ mod tests {
                 vocab: 8192,
             },
             precision: MemPrecision::F32,
-            stage: ShardingStage::Replicated,
+            stage: ZeroStage::Replicated,
             dp: 2,
             tp: 1,
             micro_batch: 1,
-            checkpointing: CheckpointPolicy::None,
+            recompute: RecomputePolicy::None,
             bucket_bytes: 25 << 20,
             sequence_parallel: false,
         }

@@ -18,16 +18,17 @@
 //! 34·s·b·h + 5·a·s²·b bytes for Megatron's block in 16-bit with dropout; kiln's block has no
 //! dropout masks. With activation checkpointing a recomputed block keeps only its input (s·b·h),
 //! and one recomputed block's activations exist at a time, during its recomputation; the
-//! blocks a [`CheckpointPolicy`] leaves alone keep all of theirs. Under sequence parallelism
+//! blocks a [`RecomputePolicy`] leaves alone keep all of theirs. Under sequence parallelism
 //! ([`MemoryPlan::sequence_parallel`], with t > 1) the replicated part is split as well:
 //! 4·s·b·h / t per layer, a recomputed block's input s·b·h / t, and the embedding output
 //! s·b·h / t (Korthikanti et al.'s 34·s·b·h / t). A block checkpointed selectively
-//! ([`CheckpointPolicy::Selective`]) keeps its LayerNorm inputs (2·s·b·h / rep), QKV, the
+//! ([`RecomputePolicy::Selective`]) keeps its LayerNorm inputs (2·s·b·h / rep), QKV, the
 //! attention output and the MLP's first product (8·s·b·h / t): the LayerNorm outputs, the GELU
 //! output and the attention scores are computed again (kiln's fused attention keeps no scores).
 
 use crate::error::{MemoryError, Result};
-use crate::segment::CheckpointPolicy;
+use crate::segment::RecomputePolicy;
+use kiln_state::ZeroStage;
 
 /// The shape of a decoder-only transformer, as far as memory is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -91,20 +92,6 @@ impl MemPrecision {
     }
 }
 
-/// How model states are split over the data-parallel group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ShardingStage {
-    /// Plain data parallel: everything replicated.
-    Replicated,
-    /// ZeRO-1: optimizer states sharded.
-    Zero1,
-    /// ZeRO-2: optimizer states and gradients sharded.
-    Zero2,
-    /// ZeRO-3: optimizer states, gradients and parameters sharded.
-    Zero3,
-}
-
 /// Everything that decides the memory of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryPlan {
@@ -113,7 +100,7 @@ pub struct MemoryPlan {
     /// Precision.
     pub precision: MemPrecision,
     /// Sharding stage over the data-parallel group.
-    pub stage: ShardingStage,
+    pub stage: ZeroStage,
     /// Data-parallel degree.
     pub dp: u64,
     /// Tensor-parallel degree.
@@ -121,7 +108,7 @@ pub struct MemoryPlan {
     /// Micro-batch size (sequences).
     pub micro_batch: u64,
     /// Which blocks recompute their activations.
-    pub checkpointing: CheckpointPolicy,
+    pub recompute: RecomputePolicy,
     /// Gradient bucket size in bytes (communication buffers; DDP's default is 25 MB).
     pub bucket_bytes: u64,
     /// Megatron's sequence parallelism over the tensor-parallel group: the LayerNorm inputs
@@ -196,7 +183,7 @@ impl MemoryPlan {
     pub fn model_state_split(
         psi: u64,
         precision: MemPrecision,
-        stage: ShardingStage,
+        stage: ZeroStage,
         dp: u64,
     ) -> (u64, u64, u64) {
         let n = dp.max(1);
@@ -204,10 +191,10 @@ impl MemoryPlan {
         let k = precision.optimizer_bytes();
         let shard = |bytes: u64| bytes.div_ceil(n);
         match stage {
-            ShardingStage::Replicated => (c * psi, c * psi, k * psi),
-            ShardingStage::Zero1 => (c * psi, c * psi, shard(k * psi)),
-            ShardingStage::Zero2 => (c * psi, shard(c * psi), shard(k * psi)),
-            ShardingStage::Zero3 => {
+            ZeroStage::Replicated => (c * psi, c * psi, k * psi),
+            ZeroStage::Zero1 => (c * psi, c * psi, shard(k * psi)),
+            ZeroStage::Zero2 => (c * psi, shard(c * psi), shard(k * psi)),
+            ZeroStage::Zero3 => {
                 let weights = match precision {
                     MemPrecision::Mixed16 => shard(c * psi),
                     // the fp32 master shard is the weight shard
@@ -222,7 +209,7 @@ impl MemoryPlan {
     pub fn model_state_bytes_for(
         psi: u64,
         precision: MemPrecision,
-        stage: ShardingStage,
+        stage: ZeroStage,
         dp: u64,
     ) -> u64 {
         let (w, g, o) = Self::model_state_split(psi, precision, stage, dp);
@@ -238,10 +225,10 @@ impl MemoryPlan {
             Self::model_state_split(psi, self.precision, self.stage, self.dp);
         let comm_buffers = match self.stage {
             // one bucket being reduced while the next fills
-            ShardingStage::Replicated | ShardingStage::Zero1 => 2 * self.bucket_bytes,
+            ZeroStage::Replicated | ZeroStage::Zero1 => 2 * self.bucket_bytes,
             // reduce-scatter input bucket plus the gathered parameters of one block
-            ShardingStage::Zero2 => 2 * self.bucket_bytes,
-            ShardingStage::Zero3 => 2 * self.bucket_bytes + c * self.block_params_per_rank() * 2,
+            ZeroStage::Zero2 => 2 * self.bucket_bytes,
+            ZeroStage::Zero3 => 2 * self.bucket_bytes + c * self.block_params_per_rank() * 2,
         };
         Ok(MemoryEstimate {
             params_per_rank: psi,
@@ -302,8 +289,8 @@ impl MemoryPlan {
         let layer_input = c * sq * b * h / rep;
         // embedding output, logits and their gradient (vocab-parallel)
         let ends = c * sq * b * h / rep + 2 * c * sq * b * s.vocab / t;
-        let recomputed = self.checkpointing.recomputed_blocks(s.n_layers);
-        let selective = self.checkpointing.selective_blocks(s.n_layers);
+        let recomputed = self.recompute.recomputed_blocks(s.n_layers);
+        let selective = self.recompute.selective_blocks(s.n_layers);
         if selective > 0 {
             // a selective block keeps its LayerNorm inputs, QKV, the attention output and the
             // MLP's first product; the LayerNorm outputs and the GELU output are computed
@@ -334,7 +321,7 @@ mod tests {
         }
     }
 
-    fn plan(stage: ShardingStage, dp: u64) -> MemoryPlan {
+    fn plan(stage: ZeroStage, dp: u64) -> MemoryPlan {
         MemoryPlan {
             shape: gpt3(),
             precision: MemPrecision::Mixed16,
@@ -342,7 +329,7 @@ mod tests {
             dp,
             tp: 1,
             micro_batch: 1,
-            checkpointing: CheckpointPolicy::EveryBlock,
+            recompute: RecomputePolicy::EveryBlock,
             bucket_bytes: 25 << 20,
             sequence_parallel: false,
         }
@@ -363,13 +350,13 @@ mod tests {
             let close = |got: u64, want: f64| (got as f64 - want).abs() <= 4.0;
             let p = psi as f64;
             let nf = n as f64;
-            assert_eq!(e(ShardingStage::Replicated), 16 * psi);
-            assert!(close(e(ShardingStage::Zero1), 4.0 * p + 12.0 * p / nf));
-            assert!(close(e(ShardingStage::Zero2), 2.0 * p + 14.0 * p / nf));
-            assert!(close(e(ShardingStage::Zero3), 16.0 * p / nf));
+            assert_eq!(e(ZeroStage::Replicated), 16 * psi);
+            assert!(close(e(ZeroStage::Zero1), 4.0 * p + 12.0 * p / nf));
+            assert!(close(e(ZeroStage::Zero2), 2.0 * p + 14.0 * p / nf));
+            assert!(close(e(ZeroStage::Zero3), 16.0 * p / nf));
         }
         // the paper's headline: 7.5B parameters, N = 64, ZeRO-3 -> 1.88 GB
-        let mut p75 = plan(ShardingStage::Zero3, 64);
+        let mut p75 = plan(ZeroStage::Zero3, 64);
         p75.shape = ModelShape {
             n_layers: 32,
             d_model: 4096,
@@ -394,7 +381,7 @@ mod tests {
     fn frozen_parameters_cost_only_their_weights() {
         let psi = gpt3().params();
         let lora = 37_748_736; // rank 16 on q, k, v, o of GPT-3's 96 blocks
-        let p = plan(ShardingStage::Replicated, 8);
+        let p = plan(ZeroStage::Replicated, 8);
         let e = p.estimate_frozen(psi, lora).unwrap();
         // 2 bytes of every frozen weight, 2 + 2 + 12 bytes of each adapter parameter
         assert_eq!(e.model_states(), 2 * psi + 16 * lora);
@@ -404,12 +391,12 @@ mod tests {
     }
 
     #[test]
-    fn checkpointing_cuts_activations() {
-        let mut p = plan(ShardingStage::Zero1, 8);
+    fn recomputation_cuts_activations() {
+        let mut p = plan(ZeroStage::Zero1, 8);
         let with = p.activation_bytes();
-        p.checkpointing = CheckpointPolicy::EveryKth(4);
+        p.recompute = RecomputePolicy::EveryKth(4);
         let quarter = p.activation_bytes();
-        p.checkpointing = CheckpointPolicy::None;
+        p.recompute = RecomputePolicy::None;
         let without = p.activation_bytes();
         assert!(with * 10 < without, "{with} vs {without}");
         // one block in four recomputed (24 of 96): the other 72 keep all their activations,
@@ -423,11 +410,11 @@ mod tests {
         assert!(with < quarter && quarter < without);
         // selective in every block: 2 of the 4 replicated s·b·h and 8 of the 12 split ones
         // (t = 1 here), no scores
-        p.checkpointing = CheckpointPolicy::Selective(1);
+        p.recompute = RecomputePolicy::Selective(1);
         let selective = p.activation_bytes();
         assert_eq!(selective, 96 * 10 * layer_input + ends);
         assert!(with < selective && selective < without);
-        p.checkpointing = CheckpointPolicy::Selective(4);
+        p.recompute = RecomputePolicy::Selective(4);
         let one_in_four = p.activation_bytes();
         assert_eq!(one_in_four, 24 * 10 * layer_input + 72 * per_layer + ends);
     }
@@ -435,9 +422,9 @@ mod tests {
     #[test]
     fn sequence_parallelism_splits_every_activation_over_tp() {
         // with the rows split too, every activation of a rank is the tp = 1 count over t
-        for policy in [CheckpointPolicy::None, CheckpointPolicy::EveryBlock] {
-            let mut p = plan(ShardingStage::Zero1, 8);
-            p.checkpointing = policy;
+        for policy in [RecomputePolicy::None, RecomputePolicy::EveryBlock] {
+            let mut p = plan(ZeroStage::Zero1, 8);
+            p.recompute = policy;
             let whole = p.activation_bytes();
             p.tp = 8;
             let plain = p.activation_bytes();
@@ -453,7 +440,7 @@ mod tests {
 
     #[test]
     fn invalid_degrees_name_every_factor() {
-        let mut p = plan(ShardingStage::Zero1, 8);
+        let mut p = plan(ZeroStage::Zero1, 8);
         p.tp = 5;
         let e = p.estimate().unwrap_err().to_string();
         assert!(

@@ -5,7 +5,7 @@
 //!   one segment at a time. A [`GradHook`] receives each segment's gradients as soon as they
 //!   exist (data parallel overlaps its all-reduce with the backward of the segments below), a
 //!   [`ParamProvider`] supplies each segment's parameters per call (ZeRO-3 gathers and frees
-//!   them), and a [`CheckpointPolicy`] drops chosen segments' activations after forward and
+//!   them), and a [`RecomputePolicy`] drops chosen segments' activations after forward and
 //!   recomputes them before backward, whole or selectively (only the cheap ops' outputs,
 //!   computed again where the backward needs them, [`tape::Thinned`]). Gradients equal a
 //!   whole-model `backward()`.
@@ -15,11 +15,11 @@
 //!   out-of-memory and headroom reports while the global batch stays constant.
 //!
 //! ```
-//! use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, ModelShape, ShardingStage};
+//! use kiln_memory::{RecomputePolicy, MemPrecision, MemoryPlan, ModelShape, ZeroStage};
 //! let shape = ModelShape { n_layers: 96, d_model: 12288, n_heads: 96, ctx: 2048, vocab: 50257 };
 //! let plan = MemoryPlan {
-//!     shape, precision: MemPrecision::Mixed16, stage: ShardingStage::Zero3,
-//!     dp: 64, tp: 1, micro_batch: 1, checkpointing: CheckpointPolicy::EveryBlock, bucket_bytes: 25 << 20,
+//!     shape, precision: MemPrecision::Mixed16, stage: ZeroStage::Zero3,
+//!     dp: 64, tp: 1, micro_batch: 1, recompute: RecomputePolicy::EveryBlock, bucket_bytes: 25 << 20,
 //!     sequence_parallel: false,
 //! };
 //! let e = plan.estimate()?;
@@ -40,8 +40,9 @@ pub mod tape;
 pub use batch::MicroBatch;
 pub use dynamic_batch::DynamicBatch;
 pub use error::{BoxError, MemoryError, Result};
-pub use estimate::{MemPrecision, MemoryEstimate, MemoryPlan, ModelShape, ShardingStage};
+pub use estimate::{MemPrecision, MemoryEstimate, MemoryPlan, ModelShape};
+pub use kiln_state::ZeroStage;
 pub use segment::{
-    CheckpointPolicy, CollectGrads, Executor, GradHook, ParamProvider, Phase, SegmentParams,
+    CollectGrads, Executor, GradHook, ParamProvider, Phase, RecomputePolicy, SegmentParams,
     SegmentedModel, StaticParams, StepOutput,
 };

@@ -8,7 +8,7 @@
 //! go to a [`GradHook`] (bucketed all-reduce or reduce-scatter overlapping the segments below),
 //! and the gradient of its input seeds the segment below. Between segments the executor can also
 //! recompute a segment's forward just before its backward (activation checkpointing, see
-//! [`CheckpointPolicy`]) and ask a [`ParamProvider`] for a segment's parameters just before it
+//! [`RecomputePolicy`]) and ask a [`ParamProvider`] for a segment's parameters just before it
 //! runs (ZeRO-3 gathers them there and frees them after).
 //!
 //! Each segment's forward is recorded on a [`Tape`](crate::tape::Tape): where kiln's ops alone
@@ -201,7 +201,7 @@ impl ParamProvider for StaticParams {
 /// `every_<k>`, `selective` or `selective_<k>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(try_from = "String", into = "String")]
-pub enum CheckpointPolicy {
+pub enum RecomputePolicy {
     /// Keep every activation (fastest, most memory).
     #[default]
     None,
@@ -218,19 +218,19 @@ pub enum CheckpointPolicy {
     Selective(usize),
 }
 
-impl std::fmt::Display for CheckpointPolicy {
+impl std::fmt::Display for RecomputePolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            CheckpointPolicy::None => f.write_str("none"),
-            CheckpointPolicy::EveryBlock => f.write_str("every_block"),
-            CheckpointPolicy::EveryKth(k) => write!(f, "every_{k}"),
-            CheckpointPolicy::Selective(1) => f.write_str("selective"),
-            CheckpointPolicy::Selective(k) => write!(f, "selective_{k}"),
+            RecomputePolicy::None => f.write_str("none"),
+            RecomputePolicy::EveryBlock => f.write_str("every_block"),
+            RecomputePolicy::EveryKth(k) => write!(f, "every_{k}"),
+            RecomputePolicy::Selective(1) => f.write_str("selective"),
+            RecomputePolicy::Selective(k) => write!(f, "selective_{k}"),
         }
     }
 }
 
-impl std::str::FromStr for CheckpointPolicy {
+impl std::str::FromStr for RecomputePolicy {
     type Err = MemoryError;
 
     /// `none` (also `off`, `false`), `every_block` (also `all`, `on`, `true`, `every_1`) or
@@ -239,16 +239,16 @@ impl std::str::FromStr for CheckpointPolicy {
     fn from_str(s: &str) -> std::result::Result<Self, MemoryError> {
         let t = s.trim().to_ascii_lowercase();
         let bad = || MemoryError::Config {
-            field: "activation checkpointing",
+            field: "activation recomputation",
             message: format!(
                 "expected none, every_block, every_<k>, selective or selective_<k> with k >= 1, \
                  got {s:?}"
             ),
         };
         match t.as_str() {
-            "none" | "off" | "false" | "" => Ok(CheckpointPolicy::None),
-            "every_block" | "all" | "true" | "on" => Ok(CheckpointPolicy::EveryBlock),
-            "selective" => Ok(CheckpointPolicy::Selective(1)),
+            "none" | "off" | "false" | "" => Ok(RecomputePolicy::None),
+            "every_block" | "all" | "true" | "on" => Ok(RecomputePolicy::EveryBlock),
+            "selective" => Ok(RecomputePolicy::Selective(1)),
             other => {
                 let k = |prefix: &str| {
                     other
@@ -257,9 +257,9 @@ impl std::str::FromStr for CheckpointPolicy {
                         .filter(|&k| k > 0)
                 };
                 match (k("every_"), k("selective_")) {
-                    (Some(1), _) => Ok(CheckpointPolicy::EveryBlock),
-                    (Some(k), _) => Ok(CheckpointPolicy::EveryKth(k)),
-                    (_, Some(k)) => Ok(CheckpointPolicy::Selective(k)),
+                    (Some(1), _) => Ok(RecomputePolicy::EveryBlock),
+                    (Some(k), _) => Ok(RecomputePolicy::EveryKth(k)),
+                    (_, Some(k)) => Ok(RecomputePolicy::Selective(k)),
                     _ => Err(bad()),
                 }
             }
@@ -267,7 +267,7 @@ impl std::str::FromStr for CheckpointPolicy {
     }
 }
 
-impl TryFrom<String> for CheckpointPolicy {
+impl TryFrom<String> for RecomputePolicy {
     type Error = MemoryError;
 
     fn try_from(s: String) -> std::result::Result<Self, MemoryError> {
@@ -275,13 +275,13 @@ impl TryFrom<String> for CheckpointPolicy {
     }
 }
 
-impl From<CheckpointPolicy> for String {
-    fn from(p: CheckpointPolicy) -> String {
+impl From<RecomputePolicy> for String {
+    fn from(p: RecomputePolicy) -> String {
         p.to_string()
     }
 }
 
-impl CheckpointPolicy {
+impl RecomputePolicy {
     /// True when segment `i` of `n` is recomputed whole. The first (embedding) and last (head,
     /// loss) segments are never checkpointed: the first has no differentiable input and the
     /// last is needed right away.
@@ -291,17 +291,17 @@ impl CheckpointPolicy {
         }
         let block = i - 1;
         match self {
-            CheckpointPolicy::None | CheckpointPolicy::Selective(_) => false,
-            CheckpointPolicy::EveryBlock => true,
-            CheckpointPolicy::EveryKth(k) => k > 0 && block % k == 0,
+            RecomputePolicy::None | RecomputePolicy::Selective(_) => false,
+            RecomputePolicy::EveryBlock => true,
+            RecomputePolicy::EveryKth(k) => k > 0 && block % k == 0,
         }
     }
 
     /// True when segment `i` of `n` drops the outputs of its cheap ops and computes them
-    /// again in its backward ([`CheckpointPolicy::Selective`]).
+    /// again in its backward ([`RecomputePolicy::Selective`]).
     pub fn selects(self, i: usize, n: usize) -> bool {
         match self {
-            CheckpointPolicy::Selective(k) if i > 0 && i + 1 < n => k > 0 && (i - 1) % k == 0,
+            RecomputePolicy::Selective(k) if i > 0 && i + 1 < n => k > 0 && (i - 1) % k == 0,
             _ => false,
         }
     }
@@ -313,7 +313,7 @@ impl CheckpointPolicy {
     }
 
     /// How many of `n_blocks` transformer blocks recompute their activations (the blocks
-    /// [`CheckpointPolicy::recomputes`] picks among the `n_blocks + 2` segments): none, all,
+    /// [`RecomputePolicy::recomputes`] picks among the `n_blocks + 2` segments): none, all,
     /// or blocks 0, k, 2k, ... (`ceil(n_blocks / k)`).
     pub fn recomputed_blocks(self, n_blocks: u64) -> u64 {
         let n = n_blocks as usize;
@@ -342,7 +342,7 @@ struct Saved {
     params: Option<SegmentParams>,
     /// The kiln ops the kept graph ran, for the backward (see [`crate::tape`]).
     tape: Option<Tape>,
-    /// A selectively checkpointed segment's values (see [`CheckpointPolicy::Selective`]).
+    /// A selectively checkpointed segment's values (see [`RecomputePolicy::Selective`]).
     thinned: Option<tape::Thinned>,
 }
 
@@ -366,7 +366,7 @@ impl Grads {
 /// ```
 /// use candle_core::{Device, Tensor, Var};
 /// use kiln_memory::{
-///     CheckpointPolicy, CollectGrads, Executor, MicroBatch, SegmentParams, SegmentedModel,
+///     RecomputePolicy, CollectGrads, Executor, MicroBatch, SegmentParams, SegmentedModel,
 ///     StaticParams,
 /// };
 ///
@@ -389,24 +389,24 @@ impl Grads {
 /// let x = Tensor::new(&[1.0f32, 1.0], &dev)?;
 /// let mut grads = CollectGrads::default();
 /// let batch = MicroBatch::new(x.clone(), x)?;
-/// let out = Executor::new(CheckpointPolicy::None).run(&Chain, &batch, &mut params, &mut grads, 1.0)?;
+/// let out = Executor::new(RecomputePolicy::None).run(&Chain, &batch, &mut params, &mut grads, 1.0)?;
 /// assert_eq!(out.loss.to_scalar::<f32>()?, 2.0 * 5.0 + 3.0 * 7.0);
 /// assert_eq!(grads.get("w0").ok_or("no gradient")?.to_vec1::<f32>()?, vec![5.0, 7.0]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Executor {
-    policy: CheckpointPolicy,
+    policy: RecomputePolicy,
 }
 
 impl Executor {
     /// An executor with the given activation-checkpointing policy.
-    pub fn new(policy: CheckpointPolicy) -> Self {
+    pub fn new(policy: RecomputePolicy) -> Self {
         Self { policy }
     }
 
     /// The checkpointing policy.
-    pub fn policy(&self) -> CheckpointPolicy {
+    pub fn policy(&self) -> RecomputePolicy {
         self.policy
     }
 
@@ -672,19 +672,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn checkpoint_policy_reads_and_writes_its_names() {
+    fn recompute_policy_reads_and_writes_its_names() {
         for (text, want) in [
-            ("none", CheckpointPolicy::None),
-            (" Every_Block ", CheckpointPolicy::EveryBlock),
-            ("every_1", CheckpointPolicy::EveryBlock),
-            ("every_3", CheckpointPolicy::EveryKth(3)),
+            ("none", RecomputePolicy::None),
+            (" Every_Block ", RecomputePolicy::EveryBlock),
+            ("every_1", RecomputePolicy::EveryBlock),
+            ("every_3", RecomputePolicy::EveryKth(3)),
         ] {
-            let got: CheckpointPolicy = text.parse().unwrap();
+            let got: RecomputePolicy = text.parse().unwrap();
             assert_eq!(got, want, "{text}");
-            assert_eq!(got.to_string().parse::<CheckpointPolicy>().unwrap(), got);
+            assert_eq!(got.to_string().parse::<RecomputePolicy>().unwrap(), got);
         }
         for bad in ["every_0", "every_x", "sometimes"] {
-            let e = bad.parse::<CheckpointPolicy>().unwrap_err().to_string();
+            let e = bad.parse::<RecomputePolicy>().unwrap_err().to_string();
             assert!(e.contains(bad), "{e}");
         }
     }

@@ -144,7 +144,7 @@ thread_local! {
 }
 
 /// Runs `f` with the ops it records marked as cheap to run again: in a segment checkpointed
-/// selectively ([`crate::CheckpointPolicy::Selective`]) their outputs are dropped after the
+/// selectively ([`crate::RecomputePolicy::Selective`]) their outputs are dropped after the
 /// forward and computed again from their inputs where the backward needs them (see
 /// [`Tape::thin`]). For ops whose forward is deterministic and cheap against the memory its
 /// output holds: a LayerNorm, a GELU, a sequence-parallel all-gather. Outside a recording this

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use kiln_memory::{
-    CheckpointPolicy, CollectGrads, Executor, GradHook, MicroBatch, ParamProvider, Phase,
+    CollectGrads, Executor, GradHook, MicroBatch, ParamProvider, Phase, RecomputePolicy,
     SegmentParams, SegmentedModel, StaticParams,
 };
 
@@ -141,7 +141,7 @@ fn flat(t: &Tensor) -> Vec<f32> {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 
-fn segmented(m: &Toy, policy: CheckpointPolicy) -> (f32, Vec<(String, Vec<f32>)>, usize) {
+fn segmented(m: &Toy, policy: RecomputePolicy) -> (f32, Vec<(String, Vec<f32>)>, usize) {
     let (x, y) = batch();
     let mut provider = StaticParams::new(m.params.clone());
     let mut hook = CollectGrads::default();
@@ -186,7 +186,7 @@ fn assert_same(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) {
 fn segmented_gradients_equal_whole_model_backward() {
     let m = Toy::new();
     let (loss_ref, g_ref) = whole_model(&m);
-    let (loss, g, recomputed) = segmented(&m, CheckpointPolicy::None);
+    let (loss, g, recomputed) = segmented(&m, RecomputePolicy::None);
     assert_eq!(loss.to_bits(), loss_ref.to_bits());
     assert_eq!(recomputed, 0);
     assert_same(&g, &g_ref);
@@ -195,13 +195,13 @@ fn segmented_gradients_equal_whole_model_backward() {
 }
 
 #[test]
-fn checkpointed_gradients_equal_uncheckpointed() {
+fn recomputed_gradients_equal_stored() {
     let m = Toy::new();
-    let (loss_ref, g_ref, _) = segmented(&m, CheckpointPolicy::None);
+    let (loss_ref, g_ref, _) = segmented(&m, RecomputePolicy::None);
     for (policy, want) in [
-        (CheckpointPolicy::EveryBlock, BLOCKS),
-        (CheckpointPolicy::EveryKth(2), 2),
-        (CheckpointPolicy::EveryKth(3), 2),
+        (RecomputePolicy::EveryBlock, BLOCKS),
+        (RecomputePolicy::EveryKth(2), 2),
+        (RecomputePolicy::EveryKth(3), 2),
     ] {
         let (loss, g, recomputed) = segmented(&m, policy);
         assert_eq!(recomputed, want, "{policy:?}");
@@ -213,11 +213,11 @@ fn checkpointed_gradients_equal_uncheckpointed() {
 #[test]
 fn loss_scale_scales_gradients_exactly() {
     let m = Toy::new();
-    let (_, g_ref, _) = segmented(&m, CheckpointPolicy::None);
+    let (_, g_ref, _) = segmented(&m, RecomputePolicy::None);
     let (x, y) = batch();
     let mut provider = StaticParams::new(m.params.clone());
     let mut hook = CollectGrads::default();
-    Executor::new(CheckpointPolicy::EveryBlock)
+    Executor::new(RecomputePolicy::EveryBlock)
         .run(
             &m,
             &MicroBatch::new(x, y).unwrap(),
@@ -279,7 +279,7 @@ fn hooks_run_between_segments_in_order() {
         log: Vec::new(),
     };
     let mut hook_log = Vec::new();
-    Executor::new(CheckpointPolicy::EveryKth(2))
+    Executor::new(RecomputePolicy::EveryKth(2))
         .run(
             &m,
             &MicroBatch::new(x, y).unwrap(),

@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use kiln_memory::{
-    CheckpointPolicy, CollectGrads, Executor, MicroBatch, SegmentParams, StaticParams,
+    CollectGrads, Executor, MicroBatch, RecomputePolicy, SegmentParams, StaticParams,
 };
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_testkit::assert_bitwise_eq;
@@ -39,7 +39,7 @@ fn run(model: &Gpt, batch: &MicroBatch) -> (f32, Vec<(String, Vec<f32>)>) {
             .collect(),
     );
     let mut hook = CollectGrads::default();
-    let out = Executor::new(CheckpointPolicy::None)
+    let out = Executor::new(RecomputePolicy::None)
         .run(model, batch, &mut provider, &mut hook, 1.0)
         .unwrap();
     let grads = model

@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use kiln_memory::{
-    tape, CheckpointPolicy, CollectGrads, Executor, MicroBatch, SegmentParams, SegmentedModel,
+    tape, CollectGrads, Executor, MicroBatch, RecomputePolicy, SegmentParams, SegmentedModel,
     StaticParams,
 };
 use kiln_model::{Gpt, GptConfig, GptOptions};
@@ -106,7 +106,7 @@ fn the_head_is_taped_and_a_loss_scale_scales_exactly() {
         let lists = m.segment_param_lists();
         let mut provider = StaticParams::new(lists.into_iter().map(SegmentParams::new).collect());
         let mut hook = CollectGrads::default();
-        Executor::new(CheckpointPolicy::None)
+        Executor::new(RecomputePolicy::None)
             .run(&m, &mb, &mut provider, &mut hook, scale)
             .unwrap();
         hook
@@ -148,11 +148,11 @@ fn executor_gradients_with_tapes_equal_whole_model_backward() {
         let loss = m.loss(&x, &y).unwrap();
         let want = loss.backward().unwrap();
         for policy in [
-            CheckpointPolicy::None,
-            CheckpointPolicy::EveryBlock,
-            CheckpointPolicy::EveryKth(2),
-            CheckpointPolicy::Selective(1),
-            CheckpointPolicy::Selective(2),
+            RecomputePolicy::None,
+            RecomputePolicy::EveryBlock,
+            RecomputePolicy::EveryKth(2),
+            RecomputePolicy::Selective(1),
+            RecomputePolicy::Selective(2),
         ] {
             let lists = m.segment_param_lists();
             let mut provider =
@@ -225,21 +225,21 @@ fn a_thinned_block_tape_drops_its_cheap_outputs_and_gives_the_same_gradients() {
 #[test]
 fn selective_policies_read_and_write_their_names() {
     for (text, want) in [
-        ("selective", CheckpointPolicy::Selective(1)),
-        ("Selective_1", CheckpointPolicy::Selective(1)),
-        (" selective_4", CheckpointPolicy::Selective(4)),
+        ("selective", RecomputePolicy::Selective(1)),
+        ("Selective_1", RecomputePolicy::Selective(1)),
+        (" selective_4", RecomputePolicy::Selective(4)),
     ] {
-        let got: CheckpointPolicy = text.parse().unwrap();
+        let got: RecomputePolicy = text.parse().unwrap();
         assert_eq!(got, want, "{text}");
-        assert_eq!(got.to_string().parse::<CheckpointPolicy>().unwrap(), got);
+        assert_eq!(got.to_string().parse::<RecomputePolicy>().unwrap(), got);
     }
     let e = "selective_0"
-        .parse::<CheckpointPolicy>()
+        .parse::<RecomputePolicy>()
         .unwrap_err()
         .to_string();
     assert!(e.contains("selective_0"), "{e}");
     // blocks 0 and 2 of 4 (segments 1 and 3 of 6), never the embedding or the head
-    let p = CheckpointPolicy::Selective(2);
+    let p = RecomputePolicy::Selective(2);
     let picked: Vec<usize> = (0..6).filter(|&i| p.selects(i, 6)).collect();
     assert_eq!(picked, vec![1, 3]);
     assert_eq!(p.selective_blocks(4), 2);

@@ -5,7 +5,7 @@
 //!   data-parallel and tensor-parallel groups.
 //! - [`FlatLayout`]: the trainable variables in flat f32 units (buckets) in backward order, with
 //!   gradient copy-out straight from candle's storage and in-place parameter write-back.
-//! - [`DataParallel`]: plain data parallel ([`Stage::Replicated`], bucketed all-reduce overlapped
+//! - [`DataParallel`]: plain data parallel ([`ZeroStage::Replicated`], bucketed all-reduce overlapped
 //!   with the backward on a communication thread, gradient accumulation with `no_sync`) and ZeRO
 //!   stages 1, 2 and 3, all driving kiln-memory's segmented executor; loss scaling with a
 //!   world-wide found-inf flag and global-norm clipping.
@@ -32,7 +32,8 @@ mod state;
 pub mod tp;
 
 pub use dims::{Groups, ParallelDims};
-pub use engine::{DataParallel, DataParallelConfig, Stage, StepPreview, StepReport};
+pub use engine::{DataParallel, DataParallelConfig, StepPreview, StepReport};
 pub use error::{ParallelError, Result};
 pub use flat::{tensor_into_slice, write_var, FlatLayout, ParamSlot, Unit, DEFAULT_BUCKET_BYTES};
+pub use kiln_state::ZeroStage;
 pub use state::{checkpoint_geometry, PlannedParam, ShardPlan, StagedState};

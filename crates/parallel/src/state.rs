@@ -24,11 +24,12 @@
 //! momentum: `momentum_buffer/<name>`); metadata `step` (optimizer steps) and `optimizer` (its
 //! name: loading another optimizer's state is an error).
 
-use crate::engine::{DataParallel, Stage};
+use crate::engine::DataParallel;
 use crate::error::{ParallelError, Result};
 use crate::flat::FlatLayout;
 use crate::tp::TpSplit;
 use kiln_comm::{chunk_range, CommExt, Communicator};
+use kiln_state::ZeroStage;
 use kiln_state::{DType, Shard, StateDict, StateError, Stateful, TensorData, TensorSpec, Want};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -69,7 +70,7 @@ pub struct ShardPlan {
     /// Per unit, the range of the unit this rank's master buffer holds.
     chunks: Vec<Range<usize>>,
     unit_lens: Vec<usize>,
-    stage: Stage,
+    stage: ZeroStage,
     dp: usize,
     dp_rank: usize,
     tp: usize,
@@ -125,7 +126,7 @@ impl ShardPlan {
     /// each parameter is split over the `tp` ranks.
     pub fn new(
         layout: &FlatLayout,
-        stage: Stage,
+        stage: ZeroStage,
         (dp, dp_rank): (usize, usize),
         (tp, tp_rank): (usize, usize),
         split: impl Fn(&str) -> TpSplit,
@@ -134,7 +135,7 @@ impl ShardPlan {
             .units()
             .iter()
             .map(|u| {
-                if stage == Stage::Replicated {
+                if stage == ZeroStage::Replicated {
                     0..u.len
                 } else {
                     chunk_range(u.len, dp, dp_rank)
@@ -242,7 +243,7 @@ impl ShardPlan {
         u: usize,
         mine: &[f32],
     ) -> kiln_state::Result<Vec<f32>> {
-        if self.stage == Stage::Replicated {
+        if self.stage == ZeroStage::Replicated {
             return Ok(mine.to_vec());
         }
         let mut full = vec![0.0f32; self.unit_lens[u]];
@@ -663,7 +664,7 @@ mod tests {
             vec![("c".to_string(), vec![5])],
         ];
         let layout = FlatLayout::new(&segs, 9).unwrap();
-        for stage in [Stage::Replicated, Stage::Zero1, Stage::Zero3] {
+        for stage in [ZeroStage::Replicated, ZeroStage::Zero1, ZeroStage::Zero3] {
             let mut seen: BTreeMap<String, Vec<usize>> = BTreeMap::new();
             for r in 0..3 {
                 let plan = ShardPlan::new(&layout, stage, (3, r), (1, 0), |_| TpSplit::Replicated)
@@ -672,7 +673,7 @@ mod tests {
                     seen.entry(p.name.clone())
                         .or_default()
                         .extend(p.save.clone());
-                    if stage == Stage::Replicated {
+                    if stage == ZeroStage::Replicated {
                         assert_eq!(p.mine, 0..p.numel);
                     } else {
                         assert_eq!(p.mine, p.save);

@@ -6,9 +6,9 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use kiln_comm::{Communicator, ThreadComm};
 
-use kiln_memory::{CheckpointPolicy, MicroBatch, SegmentParams, SegmentedModel};
+use kiln_memory::{MicroBatch, RecomputePolicy, SegmentParams, SegmentedModel};
 use kiln_optim::{AdamW, AdamWConfig, Optimizer};
-use kiln_parallel::{DataParallel, DataParallelConfig, Stage};
+use kiln_parallel::{DataParallel, DataParallelConfig, ZeroStage};
 use kiln_precision::{DynamicLossScaler, LossScaler, NoScaler, ScaleEvent};
 use kiln_testkit::{max_rel_diff, run_ranks};
 
@@ -178,7 +178,7 @@ fn flat(p: &[(String, Vec<f32>)]) -> Vec<f32> {
     p.iter().flat_map(|(_, v)| v.iter().copied()).collect()
 }
 
-fn cfg(stage: Stage) -> DataParallelConfig {
+fn cfg(stage: ZeroStage) -> DataParallelConfig {
     DataParallelConfig {
         stage,
         bucket_bytes: 600, // several units per segment
@@ -260,7 +260,7 @@ fn sorted(mut p: Vec<(String, Vec<f32>)>) -> Vec<f32> {
 
 #[test]
 fn one_rank_engine_matches_a_plain_training_loop() {
-    let engine = sorted(train(1, cfg(Stage::Replicated), 1).params);
+    let engine = sorted(train(1, cfg(ZeroStage::Replicated), 1).params);
     let plain = plain_single_rank();
     let rel = max_rel_diff(&engine, &plain);
     println!("engine (1 rank) vs plain loop: max relative difference {rel:e}");
@@ -269,9 +269,9 @@ fn one_rank_engine_matches_a_plain_training_loop() {
 
 #[test]
 fn data_parallel_equals_one_rank_on_the_whole_batch() {
-    let single = train(1, cfg(Stage::Replicated), 1);
+    let single = train(1, cfg(ZeroStage::Replicated), 1);
     for dp in [2, 4] {
-        let multi = train(dp, cfg(Stage::Replicated), 1);
+        let multi = train(dp, cfg(ZeroStage::Replicated), 1);
         let (a, b) = (flat(&multi.params), flat(&single.params));
         let w = kiln_testkit::worst_diff(
             &a.iter().map(|&x| x as f64).collect::<Vec<_>>(),
@@ -292,8 +292,8 @@ fn data_parallel_equals_one_rank_on_the_whole_batch() {
 #[test]
 fn zero_stages_equal_plain_data_parallel_bitwise() {
     for dp in [2, 4] {
-        let plain = train(dp, cfg(Stage::Replicated), 1);
-        for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        let plain = train(dp, cfg(ZeroStage::Replicated), 1);
+        for stage in [ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3] {
             let z = train(dp, cfg(stage), 1);
             kiln_testkit::assert_bitwise_eq(&flat(&z.params), &flat(&plain.params));
             assert_eq!(z.losses, plain.losses, "{stage:?} dp={dp}");
@@ -302,34 +302,34 @@ fn zero_stages_equal_plain_data_parallel_bitwise() {
 }
 
 #[test]
-fn overlap_bucket_size_and_checkpointing_do_not_change_the_result() {
-    let base = train(2, cfg(Stage::Replicated), 1);
+fn overlap_bucket_size_and_recomputation_do_not_change_the_result() {
+    let base = train(2, cfg(ZeroStage::Replicated), 1);
     for c in [
         DataParallelConfig {
             overlap: false,
-            ..cfg(Stage::Replicated)
+            ..cfg(ZeroStage::Replicated)
         },
         DataParallelConfig {
             bucket_bytes: 1 << 20,
-            ..cfg(Stage::Zero2)
+            ..cfg(ZeroStage::Zero2)
         },
         DataParallelConfig {
-            checkpoint: CheckpointPolicy::EveryBlock,
-            ..cfg(Stage::Zero3)
+            recompute: RecomputePolicy::EveryBlock,
+            ..cfg(ZeroStage::Zero3)
         },
         DataParallelConfig {
-            checkpoint: CheckpointPolicy::EveryKth(2),
-            ..cfg(Stage::Zero1)
+            recompute: RecomputePolicy::EveryKth(2),
+            ..cfg(ZeroStage::Zero1)
         },
         // the toy's segments run candle's ops, which no tape covers: selective blocks are
         // recomputed whole
         DataParallelConfig {
-            checkpoint: CheckpointPolicy::Selective(1),
-            ..cfg(Stage::Zero3)
+            recompute: RecomputePolicy::Selective(1),
+            ..cfg(ZeroStage::Zero3)
         },
         DataParallelConfig {
-            checkpoint: CheckpointPolicy::Selective(2),
-            ..cfg(Stage::Zero1)
+            recompute: RecomputePolicy::Selective(2),
+            ..cfg(ZeroStage::Zero1)
         },
     ] {
         let r = train(2, c, 1);
@@ -339,8 +339,13 @@ fn overlap_bucket_size_and_checkpointing_do_not_change_the_result() {
 
 #[test]
 fn gradient_accumulation_matches_the_full_batch() {
-    let full = train(2, cfg(Stage::Replicated), 1);
-    for stage in [Stage::Replicated, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+    let full = train(2, cfg(ZeroStage::Replicated), 1);
+    for stage in [
+        ZeroStage::Replicated,
+        ZeroStage::Zero1,
+        ZeroStage::Zero2,
+        ZeroStage::Zero3,
+    ] {
         let acc = train(2, cfg(stage), 2);
         let rel = max_rel_diff(&flat(&acc.params), &flat(&full.params));
         println!("accumulation x2 ({stage:?}) vs one micro-batch: max relative difference {rel:e}");
@@ -354,13 +359,13 @@ fn clipping_is_global_and_equal_across_stages() {
         max_grad_norm: Some(0.05),
         ..cfg(stage)
     };
-    let plain = train(2, clip(Stage::Replicated), 1);
-    let unclipped = train(2, cfg(Stage::Replicated), 1);
+    let plain = train(2, clip(ZeroStage::Replicated), 1);
+    let unclipped = train(2, cfg(ZeroStage::Replicated), 1);
     assert!(
         max_rel_diff(&flat(&plain.params), &flat(&unclipped.params)) > 1e-4,
         "clipping had no effect"
     );
-    for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+    for stage in [ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3] {
         let z = train(2, clip(stage), 1);
         kiln_testkit::assert_bitwise_eq(&flat(&z.params), &flat(&plain.params));
     }
@@ -370,7 +375,7 @@ fn clipping_is_global_and_equal_across_stages() {
 /// paper's formulas (kiln-memory's `MemoryPlan::model_state_split`) exactly, at every stage.
 #[test]
 fn model_state_bytes_follow_the_zero_formulas() {
-    use kiln_memory::{MemPrecision, MemoryPlan, ShardingStage};
+    use kiln_memory::{MemPrecision, MemoryPlan, ZeroStage};
     // every parameter once (the tied wte is listed by two segments)
     let psi: u64 = params()
         .iter()
@@ -380,10 +385,10 @@ fn model_state_bytes_follow_the_zero_formulas() {
         - (VOCAB * D_MODEL) as u64;
     // every bucket of the toy model divides by 4, so each rank's share is exactly 1/4
     for (stage, sharding) in [
-        (Stage::Replicated, ShardingStage::Replicated),
-        (Stage::Zero1, ShardingStage::Zero1),
-        (Stage::Zero2, ShardingStage::Zero2),
-        (Stage::Zero3, ShardingStage::Zero3),
+        (ZeroStage::Replicated, ZeroStage::Replicated),
+        (ZeroStage::Zero1, ZeroStage::Zero1),
+        (ZeroStage::Zero2, ZeroStage::Zero2),
+        (ZeroStage::Zero3, ZeroStage::Zero3),
     ] {
         let want = MemoryPlan::model_state_split(psi, MemPrecision::F32, sharding, 4);
         let ranks = train_all(4, cfg(stage), 1, Ok);
@@ -453,7 +458,7 @@ impl SegmentedModel for Poisoned {
 
 #[test]
 fn an_overflow_on_one_rank_makes_every_rank_skip() {
-    for stage in [Stage::Replicated, Stage::Zero2, Stage::Zero3] {
+    for stage in [ZeroStage::Replicated, ZeroStage::Zero2, ZeroStage::Zero3] {
         let outs = run_ranks(2, |comm| {
             let segs = params();
             let mut engine = DataParallel::new(&segs, &comm, cfg(stage))?;
@@ -490,7 +495,7 @@ fn an_overflow_on_one_rank_makes_every_rank_skip() {
 /// parameters untouched.
 #[test]
 fn an_overflow_without_loss_scaling_makes_every_rank_skip() {
-    for stage in [Stage::Replicated, Stage::Zero1, Stage::Zero3] {
+    for stage in [ZeroStage::Replicated, ZeroStage::Zero1, ZeroStage::Zero3] {
         let outs = run_ranks(2, |comm| {
             let mut engine = DataParallel::new(&params(), &comm, cfg(stage))?;
             let before = engine.full_params()?;
@@ -534,7 +539,7 @@ fn mismatched_parameter_lists_are_errors() {
     let r = kiln_testkit::try_run_ranks(1, kiln_testkit::TEST_TIMEOUT, |comm| {
         let mut segs = params();
         segs[2].push(("wte".into(), init(&[D_MODEL, VOCAB], 3)));
-        Ok(DataParallel::new(&segs, &comm, cfg(Stage::Zero1))
+        Ok(DataParallel::new(&segs, &comm, cfg(ZeroStage::Zero1))
             .map(|_| ())
             .unwrap_err()
             .to_string())
@@ -552,7 +557,7 @@ fn engine_state_round_trips_bitwise_under_zero() {
     // under ZeRO each rank's state holds exactly its shard; plain data parallelism saves each
     // element once, so its state round-trips through a checkpoint (tests/state_round_trip.rs)
     use kiln_state::Stateful;
-    for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+    for stage in [ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3] {
         let outs = run_ranks(2, |comm: ThreadComm| {
             let per = BATCH / 2;
             let lo = comm.rank() * per;
@@ -583,7 +588,7 @@ fn engine_state_round_trips_bitwise_under_zero() {
         });
         // plain data parallelism: a rank's own state is not enough, and says so
         let e = kiln_testkit::try_run_ranks(2, kiln_testkit::TEST_TIMEOUT, |comm| {
-            let mut a = DataParallel::new(&params(), &comm, cfg(Stage::Replicated))?;
+            let mut a = DataParallel::new(&params(), &comm, cfg(ZeroStage::Replicated))?;
             let saved = a.state()?;
             Ok(a.load_state(saved)?)
         })
@@ -603,8 +608,8 @@ fn backward_then_apply_equals_step_and_discard_changes_nothing() {
         let per = BATCH / 2;
         let lo = comm.rank() * per;
         let mut scaler = NoScaler;
-        let mut a = DataParallel::new(&params(), &comm, cfg(Stage::Zero2))?;
-        let mut b = DataParallel::new(&params(), &comm, cfg(Stage::Zero2))?;
+        let mut a = DataParallel::new(&params(), &comm, cfg(ZeroStage::Zero2))?;
+        let mut b = DataParallel::new(&params(), &comm, cfg(ZeroStage::Zero2))?;
         for s in 0..3 {
             let mb = [batch(s, lo, lo + per)];
             let r = a.step(&Toy, &mb, LR, &mut scaler)?;
@@ -679,12 +684,12 @@ fn pluggable_optimizer_and_decay_groups_match_the_plain_loop_and_every_stage() {
         ..cfg(stage)
     };
     // one rank against the plain loop
-    let got = sorted(train_with(1, cfg(Stage::Replicated), 1, with_sgd).params);
+    let got = sorted(train_with(1, cfg(ZeroStage::Replicated), 1, with_sgd).params);
     let want = plain_single_rank_with(|_, n| Box::new(kiln_optim::Sgd::new(n, sgd).unwrap()));
     let rel = max_rel_diff(&got, &want);
     println!("SGD engine (1 rank) vs plain loop: max relative difference {rel:e}");
     assert!(rel < 1e-6, "{rel}");
-    let got = sorted(train_with(1, adamw_cfg(Stage::Replicated), 1, with_groups).params);
+    let got = sorted(train_with(1, adamw_cfg(ZeroStage::Replicated), 1, with_groups).params);
     let want = plain_single_rank_with(|name, n| {
         let wd = if decays(name) { 0.3 } else { 0.0 };
         let c = AdamWConfig {
@@ -697,13 +702,13 @@ fn pluggable_optimizer_and_decay_groups_match_the_plain_loop_and_every_stage() {
     println!("AdamW with decay groups (1 rank) vs plain loop: max relative difference {rel:e}");
     assert!(rel < 1e-6, "{rel}");
     // the groups change the result: without them every parameter decays
-    let all = sorted(train(1, adamw_cfg(Stage::Replicated), 1).params);
+    let all = sorted(train(1, adamw_cfg(ZeroStage::Replicated), 1).params);
     assert!(max_rel_diff(&all, &got) > 1e-4);
     // every stage equals plain data parallelism, bitwise
     for dp in [2, 3] {
-        let plain_sgd = train_with(dp, cfg(Stage::Replicated), 1, with_sgd);
-        let plain_groups = train_with(dp, adamw_cfg(Stage::Replicated), 1, with_groups);
-        for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+        let plain_sgd = train_with(dp, cfg(ZeroStage::Replicated), 1, with_sgd);
+        let plain_groups = train_with(dp, adamw_cfg(ZeroStage::Replicated), 1, with_groups);
+        for stage in [ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3] {
             let z = train_with(dp, cfg(stage), 1, with_sgd);
             kiln_testkit::assert_bitwise_eq(&flat(&z.params), &flat(&plain_sgd.params));
             let z = train_with(dp, adamw_cfg(stage), 1, with_groups);
@@ -727,7 +732,8 @@ fn another_optimizers_state_round_trips_and_a_mismatch_is_an_error() {
         let (per, mut scaler) = (BATCH / 2, NoScaler);
         let lo = comm.rank() * per;
         let new = || -> kiln_parallel::Result<DataParallel> {
-            DataParallel::new(&params(), &comm, cfg(Stage::Zero2))?.with_optimizer(Arc::new(sgd))
+            DataParallel::new(&params(), &comm, cfg(ZeroStage::Zero2))?
+                .with_optimizer(Arc::new(sgd))
         };
         let mut a = new()?;
         for s in 0..3 {
@@ -743,7 +749,7 @@ fn another_optimizers_state_round_trips_and_a_mismatch_is_an_error() {
         let refused = e2.with_optimizer(Arc::new(sgd)).unwrap_err().to_string();
         assert!(refused.contains("before the first step"), "{refused}");
         // AdamW's engine refuses SGD's state
-        let mut adam = DataParallel::new(&params(), &comm, cfg(Stage::Zero2))?;
+        let mut adam = DataParallel::new(&params(), &comm, cfg(ZeroStage::Zero2))?;
         let err = adam.load_state(saved.clone()).unwrap_err().to_string();
         assert!(
             err.contains("\"sgd\"") && err.contains("\"adamw\""),
@@ -780,7 +786,7 @@ fn staged_state_is_the_live_state_at_the_copy() {
             let per = BATCH / 2;
             let lo = dims.dp_rank(world.rank()) * per;
             let mut scaler = NoScaler;
-            let mut a = DataParallel::new(&params(), &*dp_comm, cfg(Stage::Zero1))?;
+            let mut a = DataParallel::new(&params(), &*dp_comm, cfg(ZeroStage::Zero1))?;
             if tp > 1 {
                 a = a.with_tensor_parallel(Arc::from(groups.tp));
             }

@@ -92,6 +92,14 @@ pub enum StateError {
         /// The number of parts asked for.
         factor: usize,
     },
+    /// A value outside its closed set (a ZeRO stage above 3, an unknown name).
+    #[error("invalid {what}: {message}")]
+    Invalid {
+        /// What was given (`zero stage`).
+        what: String,
+        /// What was wrong, with the value given.
+        message: String,
+    },
     /// A component refused the state it was given (another configuration, a collective that
     /// failed while gathering its shards, a layout that does not fit).
     #[error("{component}: {reason}")]

@@ -8,6 +8,8 @@
 //!   little-endian bytes) and JSON metadata. A tensor may be a [`Shard`] of a global tensor:
 //!   a slice along one dimension (tensor parallel) or a flat range (ZeRO).
 //! - [`Want`]: the slice of a global tensor a rank asks for.
+//! - [`ZeroStage`]: what the data-parallel ranks shard (ZeRO 0 to 3), the one type the engine,
+//!   the memory estimate, the checkpoint layout and the run config share.
 //!
 //! No tensor library and no communication: every crate of kiln can depend on this one, and
 //! kiln-ckpt turns state dicts into files.
@@ -48,6 +50,7 @@ mod stateful;
 mod tensor;
 mod util;
 mod want;
+mod zero;
 
 pub use dict::{check_tensor_name, StateDict, TensorSpec};
 pub use error::{Result, StateError};
@@ -56,3 +59,4 @@ pub use stateful::{RngState, Stateful, Step};
 pub use tensor::{numel, DType, Element, TensorData};
 pub use util::{panic_message, splitmix64};
 pub use want::Want;
+pub use zero::ZeroStage;

@@ -45,7 +45,7 @@ fn thirty_steps_with_every_part_then_bitwise_resume() {
         ("tp", "2"),
         ("zero", "1"),
         ("precision", "f16"),
-        ("activation_checkpointing", "every_block"),
+        ("recompute", "every_block"),
         ("steps", "30"),
         ("warmup", "5"),
         ("optim.schedule.decay", "cosine"),

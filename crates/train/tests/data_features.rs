@@ -273,11 +273,11 @@ fn dynamic_batch_picks_the_micro_batch_and_keeps_the_trajectory() {
         kiln_memory::MemoryPlan {
             shape: cfg.gpt_config().unwrap().shape(),
             precision: kiln_memory::MemPrecision::F32,
-            stage: kiln_memory::ShardingStage::Replicated,
+            stage: kiln_memory::ZeroStage::Replicated,
             dp: 1,
             tp: 1,
             micro_batch: mb,
-            checkpointing: kiln_memory::CheckpointPolicy::None,
+            recompute: kiln_memory::RecomputePolicy::None,
             bucket_bytes: cfg.parallel.bucket_bytes() as u64,
             sequence_parallel: false,
         }

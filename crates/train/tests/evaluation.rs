@@ -48,7 +48,7 @@ fn validation_loss_is_the_same_under_every_stage() {
     let base = |dp: usize, zero: u8| {
         let mut c = tiny_config("evaluation", &root, "shakespeare_200k", 200_000);
         c.parallel.dp = dp;
-        c.parallel.zero = zero;
+        c.parallel.zero = kiln_state::ZeroStage::from_number(zero).unwrap();
         c.train.micro_batch = 4 / dp;
         c.train.accumulation = 1; // ZeRO-2/3 reduce every micro-batch: bitwise only without
         c.train.steps = 4;

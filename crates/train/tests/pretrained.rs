@@ -45,7 +45,7 @@ fn config(root: &Path, dp: usize, tp: usize, zero: u8, steps: u64) -> RunConfig 
     let mut c = tiny_config("pretrained", root, "shakespeare_200k", 200_000);
     c.parallel.dp = dp;
     c.parallel.tp = tp;
-    c.parallel.zero = zero;
+    c.parallel.zero = kiln_state::ZeroStage::from_number(zero).unwrap();
     c.train.micro_batch = 4 / dp;
     c.train.accumulation = 1;
     c.train.steps = steps;

@@ -38,7 +38,7 @@ fn config(root: &std::path::Path, dp: usize, tp: usize, zero: u8) -> RunConfig {
     let mut c = tiny_config("reshard", root, "shakespeare_200k", 200_000);
     c.parallel.dp = dp;
     c.parallel.tp = tp;
-    c.parallel.zero = zero;
+    c.parallel.zero = kiln_state::ZeroStage::from_number(zero).unwrap();
     c.train.micro_batch = 4 / dp;
     c.train.accumulation = 2;
     c.train.steps = 20;

@@ -13,9 +13,9 @@ use candle_core::{Device, Tensor};
 use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState};
 use kiln_ckpt::{ReshardRequest, Stateful};
 use kiln_comm::{Communicator, ThreadComm};
-use kiln_memory::{CheckpointPolicy, MemPrecision, MemoryPlan, MicroBatch, ShardingStage};
+use kiln_memory::{MemPrecision, MemoryPlan, MicroBatch, RecomputePolicy, ZeroStage};
 use kiln_model::{Gpt, GptConfig, GptOptions};
-use kiln_parallel::{DataParallel, DataParallelConfig, Stage};
+use kiln_parallel::{DataParallel, DataParallelConfig};
 use kiln_precision::NoScaler;
 use kiln_testkit::{assert_close, run_ranks};
 use kiln_tune::{is_adapter_param, lora_gpt, LoraConfig, LoraTarget};
@@ -119,7 +119,7 @@ fn merged_equals_unmerged_and_unmerge_restores_the_base() {
     println!("merged vs unmerged logits: worst difference {worst:.1e} (bound 1e-5)");
 }
 
-fn engine_for(model: &Gpt, comm: &dyn Communicator, stage: Stage) -> DataParallel {
+fn engine_for(model: &Gpt, comm: &dyn Communicator, stage: ZeroStage) -> DataParallel {
     let dpc = DataParallelConfig {
         stage,
         max_grad_norm: Some(1.0),
@@ -143,7 +143,7 @@ fn frozen_parameters_never_move_and_hold_no_optimizer_state() {
         .filter(|(n, _)| model.is_frozen(n))
         .map(|(n, v)| (n, flat(v.as_tensor())))
         .collect();
-    let mut engine = engine_for(&model, &comm, Stage::Replicated);
+    let mut engine = engine_for(&model, &comm, ZeroStage::Replicated);
     let names: Vec<&str> = engine
         .layout()
         .params()
@@ -192,11 +192,11 @@ fn frozen_parameters_never_move_and_hold_no_optimizer_state() {
     let plan = MemoryPlan {
         shape: cfg.shape(),
         precision: MemPrecision::F32,
-        stage: ShardingStage::Replicated,
+        stage: ZeroStage::Replicated,
         dp: 1,
         tp: 1,
         micro_batch: 4,
-        checkpointing: CheckpointPolicy::None,
+        recompute: RecomputePolicy::None,
         bucket_bytes: 25 << 20,
         sequence_parallel: false,
     };
@@ -207,7 +207,7 @@ fn frozen_parameters_never_move_and_hold_no_optimizer_state() {
     assert_eq!(g, est.grads);
     assert_eq!(o, est.optimizer);
     let full_model = Gpt::new(&cfg, &opts).unwrap();
-    let full = engine_for(&full_model, &comm, Stage::Replicated);
+    let full = engine_for(&full_model, &comm, ZeroStage::Replicated);
     let (fw, fg, fo) = full.model_state_bytes();
     let full_est = plan.estimate().unwrap();
     assert_eq!(
@@ -241,8 +241,8 @@ fn adapter_only_checkpoints_resume_bitwise() {
         let out = run_ranks(2, |comm: ThreadComm| {
             let world: Arc<dyn Communicator> = Arc::new(comm);
             let (model, lora) = lora_gpt(&cfg, &opts, &all_targets(4), None)?;
-            let mut engine = engine_for(&model, &*world, Stage::Zero2);
-            let layout = Layout::new(2, 1, 2)?;
+            let mut engine = engine_for(&model, &*world, ZeroStage::Zero2);
+            let layout = Layout::new(2, 1, ZeroStage::Zero2)?;
             let storage = Arc::new(LocalFs::new(dir.join("ckpt"))?);
             let mut ckpt = Checkpointer::new(storage, CheckpointConfig::new(layout, "tiny-lora"))?;
             let mut step = kiln_ckpt::Step(0);
@@ -414,12 +414,12 @@ fn dropout_masks_are_drawn_again_by_a_recomputed_forward() {
     let comm = ThreadComm::group(1, Default::default()).unwrap().remove(0);
     let (x, y) = batch(2, 16, cfg.vocab_size, 2);
     let mut results = Vec::new();
-    for policy in [CheckpointPolicy::None, CheckpointPolicy::EveryBlock] {
+    for policy in [RecomputePolicy::None, RecomputePolicy::EveryBlock] {
         let (model, lora) = lora_gpt(&cfg, &opts, &lc, None).unwrap();
         perturb(&lora, 3);
         lora.set_step(12);
         let dpc = DataParallelConfig {
-            checkpoint: policy,
+            recompute: policy,
             ..Default::default()
         };
         let mut engine = DataParallel::new(&model.segment_param_lists(), &comm, dpc).unwrap();

@@ -9,7 +9,7 @@ use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, Ra
 use kiln_ckpt::{ReshardRequest, Stateful};
 use kiln_comm::{Communicator, ThreadComm};
 use kiln_model::{Gpt, GptConfig, GptOptions};
-use kiln_parallel::{DataParallel, DataParallelConfig, Stage};
+use kiln_parallel::{DataParallel, DataParallelConfig, ZeroStage};
 use kiln_precision::NoScaler;
 use kiln_testkit::{assert_close, run_ranks};
 use kiln_tune::{
@@ -205,7 +205,7 @@ fn dpo_under_tensor_parallelism_equals_tp1() {
                 .map(kiln_memory::SegmentParams::new)
                 .collect(),
         );
-        let out = kiln_memory::Executor::new(kiln_memory::CheckpointPolicy::EveryBlock).run(
+        let out = kiln_memory::Executor::new(kiln_memory::RecomputePolicy::EveryBlock).run(
             &dpo,
             &mb,
             &mut provider,
@@ -248,7 +248,7 @@ fn dpo_under_tensor_parallelism_equals_tp1() {
         }
         Ok(())
     });
-    println!("DPO at tp=2 with activation checkpointing: loss {loss1} and every gradient as tp=1");
+    println!("DPO at tp=2 with activation recompute: loss {loss1} and every gradient as tp=1");
 }
 
 #[test]
@@ -265,14 +265,14 @@ fn dpo_resumes_bitwise() {
             let policy = Gpt::new(&cfg, &opts(1))?;
             let dpo = DpoObjective::new(&policy, DpoConfig::default())?;
             let dpc = DataParallelConfig {
-                stage: Stage::Zero1,
+                stage: ZeroStage::Zero1,
                 ..Default::default()
             };
             let mut engine = DataParallel::new(&policy.segment_param_lists(), &*world, dpc)?
                 .with_param_splits(&policy.param_splits())?;
             let mut loader = ExampleLoader::new(train.len(), 2, world.rank(), 2, 3)?;
             let mut step = kiln_ckpt::Step(0);
-            let layout = Layout::new(2, 1, 1)?;
+            let layout = Layout::new(2, 1, ZeroStage::Zero1)?;
             let storage = Arc::new(LocalFs::new(dir.clone())?);
             let mut ckpt = Checkpointer::new(storage, CheckpointConfig::new(layout, "dpo"))?;
             if resume {

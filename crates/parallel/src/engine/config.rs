@@ -1,60 +1,17 @@
-//! The engine's configuration and what a step reports: [`Stage`], [`DataParallelConfig`],
+//! The engine's configuration and what a step reports: [`DataParallelConfig`],
 //! [`StepReport`], [`StepPreview`].
 
-use crate::error::{ParallelError, Result};
 use crate::flat::DEFAULT_BUCKET_BYTES;
-use kiln_memory::CheckpointPolicy;
+use kiln_memory::RecomputePolicy;
 use kiln_optim::OptimizerConfig;
 use kiln_precision::ScaleEvent;
-
-/// How model states are split over the data-parallel group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Stage {
-    /// Plain data parallel: everything replicated.
-    Replicated,
-    /// ZeRO-1: optimizer states and fp32 master weights sharded.
-    Zero1,
-    /// ZeRO-2: also gradients.
-    Zero2,
-    /// ZeRO-3: also parameters.
-    Zero3,
-}
-
-impl Stage {
-    /// The ZeRO stage number (0 for replicated).
-    pub fn number(self) -> u8 {
-        match self {
-            Stage::Replicated => 0,
-            Stage::Zero1 => 1,
-            Stage::Zero2 => 2,
-            Stage::Zero3 => 3,
-        }
-    }
-
-    /// The stage with this number.
-    pub fn from_number(n: u8) -> Result<Self> {
-        match n {
-            0 => Ok(Stage::Replicated),
-            1 => Ok(Stage::Zero1),
-            2 => Ok(Stage::Zero2),
-            3 => Ok(Stage::Zero3),
-            _ => Err(ParallelError::Config(format!(
-                "zero stage must be 0, 1, 2 or 3, got {n}"
-            ))),
-        }
-    }
-
-    pub(super) fn shards_grads(self) -> bool {
-        matches!(self, Stage::Zero2 | Stage::Zero3)
-    }
-}
+use kiln_state::ZeroStage;
 
 /// Options of [`DataParallel`](super::DataParallel).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DataParallelConfig {
     /// The sharding stage.
-    pub stage: Stage,
+    pub stage: ZeroStage,
     /// Bucket size in bytes (f32 elements x 4).
     pub bucket_bytes: usize,
     /// Communicate on a background thread while the backward continues (on by default).
@@ -69,19 +26,19 @@ pub struct DataParallelConfig {
     /// inside the update, unit by unit, at the cost of two collectives (off by default).
     pub update_norms: bool,
     /// Activation checkpointing.
-    pub checkpoint: CheckpointPolicy,
+    pub recompute: RecomputePolicy,
 }
 
 impl Default for DataParallelConfig {
     fn default() -> Self {
         Self {
-            stage: Stage::Replicated,
+            stage: ZeroStage::Replicated,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             overlap: true,
             max_grad_norm: None,
             optimizer: OptimizerConfig::default(),
             update_norms: false,
-            checkpoint: CheckpointPolicy::None,
+            recompute: RecomputePolicy::None,
         }
     }
 }

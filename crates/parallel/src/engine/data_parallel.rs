@@ -1,6 +1,6 @@
 //! [`DataParallel`]: the engine.
 
-use super::config::{DataParallelConfig, Stage, StepPreview, StepReport};
+use super::config::{DataParallelConfig, StepPreview, StepReport};
 use super::hooks::{GradSink, Provider};
 use super::worker::Worker;
 use crate::error::{ParallelError, Result};
@@ -11,6 +11,7 @@ use kiln_comm::{chunk_range, CommExt, Communicator, ReduceOp};
 use kiln_memory::{Executor, MicroBatch, SegmentedModel};
 use kiln_optim::{DecayOverride, Optimizer, OptimizerFactory, ParamKind, WeightDecayGroups};
 use kiln_precision::{unscale_and_check, LossScaler};
+use kiln_state::ZeroStage;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -82,7 +83,7 @@ impl DataParallel {
     /// group `dp`. Collective: every rank of `dp` calls it. Rank 0's initial values are
     /// broadcast, so all replicas start equal.
     ///
-    /// For [`Stage::Zero3`] the variables are read once here (to take this rank's chunks) and
+    /// For [`ZeroStage::Zero3`] the variables are read once here (to take this rank's chunks) and
     /// then never used again: the model must run with the parameters the provider hands out
     /// (see [`SegmentedModel::forward_segment`]), and the caller may drop its own copies.
     pub fn new(
@@ -137,17 +138,17 @@ impl DataParallel {
                 )?;
             }
             comm.broadcast(&mut full, 0)?;
-            let mine = if stage == Stage::Replicated {
+            let mine = if stage == ZeroStage::Replicated {
                 full
             } else {
                 full[chunk_range(unit.len, dp_size, dp_rank)].to_vec()
             };
-            if stage != Stage::Zero3 {
+            if stage != ZeroStage::Zero3 {
                 // make every replica start from rank 0's values
                 for &p in &unit.params {
                     let slot = &layout.params()[p];
                     if let Some(v) = vars[p].as_ref() {
-                        if stage == Stage::Replicated {
+                        if stage == ZeroStage::Replicated {
                             write_var(v, &mine[slot.offset..slot.offset + slot.numel])?;
                         }
                     }
@@ -163,7 +164,7 @@ impl DataParallel {
             cfg,
             dp_rank,
             dp_size,
-            vars: if stage == Stage::Zero3 {
+            vars: if stage == ZeroStage::Zero3 {
                 vec![None; layout.params().len()]
             } else {
                 vars
@@ -184,10 +185,10 @@ impl DataParallel {
             #[cfg(feature = "cuda")]
             resident: None,
         };
-        if matches!(stage, Stage::Zero1 | Stage::Zero2) {
+        if matches!(stage, ZeroStage::Zero1 | ZeroStage::Zero2) {
             dp_engine.gather_into_vars()?;
         }
-        if stage.shards_grads() {
+        if stage.shards_gradients() {
             dp_engine.grad_shards = dp_engine
                 .master
                 .iter()
@@ -414,7 +415,7 @@ impl DataParallel {
                     }),
                 }
             }
-            let mine = if self.cfg.stage == Stage::Replicated {
+            let mine = if self.cfg.stage == ZeroStage::Replicated {
                 0..unit.len
             } else {
                 chunk_range(unit.len, self.dp_size, self.dp_rank)
@@ -472,7 +473,7 @@ impl DataParallel {
         if let Some(full) = self.resident_unit(u)? {
             return Ok(full);
         }
-        if self.cfg.stage == Stage::Replicated {
+        if self.cfg.stage == ZeroStage::Replicated {
             return Ok(self.master[u].clone());
         }
         let mut full = vec![0.0f32; self.layout.units()[u].len];
@@ -484,7 +485,7 @@ impl DataParallel {
         let mut gathered = Vec::new();
         for (u, unit) in self.layout.units().iter().enumerate() {
             // replicated: every rank holds the whole unit, written from where it is
-            let full: &[f32] = if self.cfg.stage == Stage::Replicated {
+            let full: &[f32] = if self.cfg.stage == ZeroStage::Replicated {
                 &self.master[u]
             } else {
                 gathered.resize(unit.len, 0.0);
@@ -579,14 +580,14 @@ impl DataParallel {
         }
         let t0 = Instant::now();
         let scale = scaler.scale();
-        let executor = Executor::new(self.cfg.checkpoint);
+        let executor = Executor::new(self.cfg.recompute);
         let accum = micro_batches.len();
         let mut loss_sum = 0.0f64;
         let mut forward_s = 0.0f64;
         let mut comm_wait = Duration::ZERO;
         for (k, batch) in micro_batches.iter().enumerate() {
             let sync = k + 1 == accum;
-            let communicate = sync || self.cfg.stage.shards_grads();
+            let communicate = sync || self.cfg.stage.shards_gradients();
             let mut hook = GradSink {
                 layout: &self.layout,
                 stage: self.cfg.stage,
@@ -648,7 +649,7 @@ impl DataParallel {
                 for u in 0..self.layout.units().len() {
                     found_inf |= host::unscale_and_check_par(self.owned_grads_mut(u), inv, threads);
                 }
-                if self.cfg.stage == Stage::Replicated {
+                if self.cfg.stage == ZeroStage::Replicated {
                     // the rest of the replicated buffer is needed by the optimizer too
                     for u in 0..self.layout.units().len() {
                         let len = self.grads[u].len();
@@ -705,7 +706,7 @@ impl DataParallel {
         let threads = self.host_threads();
         if let Some(max_norm) = self.cfg.max_grad_norm {
             for u in 0..self.layout.units().len() {
-                let g: &mut [f32] = if self.cfg.stage.shards_grads() {
+                let g: &mut [f32] = if self.cfg.stage.shards_gradients() {
                     &mut self.grad_shards[u]
                 } else {
                     &mut self.grads[u]
@@ -728,9 +729,9 @@ impl DataParallel {
             self.optim[u].set_runner(runner.clone());
             let c = chunk_range(self.layout.units()[u].len, self.dp_size, self.dp_rank);
             let grads: &[f32] = match self.cfg.stage {
-                Stage::Replicated => &self.grads[u],
-                Stage::Zero1 => &self.grads[u][c],
-                Stage::Zero2 | Stage::Zero3 => &self.grad_shards[u],
+                ZeroStage::Replicated => &self.grads[u],
+                ZeroStage::Zero1 => &self.grads[u][c],
+                ZeroStage::Zero2 | ZeroStage::Zero3 => &self.grad_shards[u],
             };
             if counted.is_some() {
                 old.clear();
@@ -749,7 +750,7 @@ impl DataParallel {
             }
         }
         self.scratch = old;
-        if self.cfg.stage != Stage::Zero3 {
+        if self.cfg.stage != ZeroStage::Zero3 {
             self.gather_into_vars()?;
         }
         let mut rep = report(&preview, clipped, t_opt);
@@ -783,7 +784,7 @@ impl DataParallel {
             if p.save.is_empty() || (skip_replicated && p.region.is_none()) {
                 continue;
             }
-            let unit_start = if self.cfg.stage == Stage::Replicated {
+            let unit_start = if self.cfg.stage == ZeroStage::Replicated {
                 0
             } else {
                 chunk_range(self.layout.units()[p.unit].len, self.dp_size, self.dp_rank).start
@@ -857,7 +858,7 @@ impl DataParallel {
     }
 
     fn owned_grads(&self, u: usize) -> &[f32] {
-        if self.cfg.stage.shards_grads() {
+        if self.cfg.stage.shards_gradients() {
             &self.grad_shards[u]
         } else {
             let c = chunk_range(self.grads[u].len(), self.dp_size, self.dp_rank);
@@ -866,7 +867,7 @@ impl DataParallel {
     }
 
     fn owned_grads_mut(&mut self, u: usize) -> &mut [f32] {
-        if self.cfg.stage.shards_grads() {
+        if self.cfg.stage.shards_gradients() {
             &mut self.grad_shards[u]
         } else {
             let c = chunk_range(self.grads[u].len(), self.dp_size, self.dp_rank);
@@ -911,7 +912,7 @@ impl DataParallel {
         self.master = master;
         #[cfg(feature = "cuda")]
         self.resident_load_master()?;
-        if self.cfg.stage != Stage::Zero3 {
+        if self.cfg.stage != ZeroStage::Zero3 {
             self.gather_into_vars()?;
         }
         Ok(())

@@ -1,19 +1,19 @@
 //! The executor hooks the engine installs: the gradient sink (units to the communication
 //! thread as their segments finish) and the ZeRO-3 parameter provider.
 
-use super::config::Stage;
 use super::worker::{Done, Job, Worker};
 use crate::error::Result;
 use crate::flat::{tensor_into_slice, FlatLayout};
 use candle_core::{Device, Tensor, Var};
 use kiln_comm::{CommExt, Communicator};
 use kiln_memory::{BoxError, GradHook, ParamProvider, Phase, SegmentParams};
+use kiln_state::ZeroStage;
 
 /// The gradient hook: copies each segment's gradients into the unit buffers and hands a unit to
 /// the communication thread as soon as all its contributions have arrived.
 pub(super) struct GradSink<'a> {
     pub(super) layout: &'a FlatLayout,
-    pub(super) stage: Stage,
+    pub(super) stage: ZeroStage,
     pub(super) grads: &'a mut Vec<Vec<f32>>,
     pub(super) pool: &'a mut Vec<Vec<f32>>,
     pub(super) shards: &'a mut Vec<Vec<f32>>,
@@ -31,7 +31,7 @@ pub(super) struct GradSink<'a> {
 
 impl GradSink<'_> {
     fn unit_buffer(&mut self, u: usize) -> &mut Vec<f32> {
-        if self.stage.shards_grads() {
+        if self.stage.shards_gradients() {
             // stage 2/3: a transient full buffer per unit while it fills
             if self.grads.len() <= u {
                 self.grads.resize_with(self.layout.units().len(), Vec::new);
@@ -48,7 +48,7 @@ impl GradSink<'_> {
     }
 
     fn dispatch(&mut self, u: usize) -> Result<()> {
-        let job = if self.stage.shards_grads() {
+        let job = if self.stage.shards_gradients() {
             let buf = std::mem::take(&mut self.grads[u]);
             let shard = std::mem::take(&mut self.shards[u]);
             Job::ReduceScatter {
@@ -83,7 +83,7 @@ impl GradSink<'_> {
             }
             self.in_flight -= 1;
         }
-        if self.stage.shards_grads() {
+        if self.stage.shards_gradients() {
             // the transient buffers are back in the pool
             self.grads.iter_mut().for_each(|g| {
                 if !g.is_empty() {
@@ -111,7 +111,7 @@ impl GradHook for GradSink<'_> {
             let (u, off, n) = (slot.unit, slot.offset, slot.numel);
             // overwrite on the first contribution of the step (stages 0/1 accumulate over
             // micro-batches; stages 2/3 start each micro-batch from a fresh buffer)
-            let fresh = !self.seen[p] && (self.first_micro || self.stage.shards_grads());
+            let fresh = !self.seen[p] && (self.first_micro || self.stage.shards_gradients());
             self.seen[p] = true;
             let buf = self.unit_buffer(u);
             tensor_into_slice(&g, &mut buf[off..off + n], !fresh, &name)?;
@@ -135,7 +135,7 @@ pub(super) struct Provider<'a> {
     pub(super) vars: &'a [Option<Var>],
     pub(super) master: &'a [Vec<f32>],
     pub(super) comm: &'a dyn Communicator,
-    pub(super) stage: Stage,
+    pub(super) stage: ZeroStage,
     pub(super) device: &'a Device,
 }
 
@@ -146,7 +146,7 @@ impl ParamProvider for Provider<'_> {
         _phase: Phase,
     ) -> std::result::Result<SegmentParams, BoxError> {
         let ids = self.layout.segment_params(segment);
-        if self.stage != Stage::Zero3 {
+        if self.stage != ZeroStage::Zero3 {
             let mut out = Vec::with_capacity(ids.len());
             for &p in ids {
                 let s = &self.layout.params()[p];

@@ -1,15 +1,15 @@
 //! Data parallel and ZeRO stages 1 to 3 over the segmented executor.
 //!
 //! One engine, four stages, all on the same [`FlatLayout`] units:
-//! - [`Stage::Replicated`] (PyTorch DDP): every rank keeps full gradients, all-reduces them (mean)
+//! - [`ZeroStage::Replicated`] (PyTorch DDP): every rank keeps full gradients, all-reduces them (mean)
 //!   unit by unit as soon as a unit's segment has finished its backward, on a communication
 //!   thread that overlaps the backward of the segments below, and steps the full optimizer.
-//! - [`Stage::Zero1`]: the fp32 master weights and the AdamW moments are sharded: each rank steps
+//! - [`ZeroStage::Zero1`]: the fp32 master weights and the AdamW moments are sharded: each rank steps
 //!   only its chunk of every unit (per [`kiln_comm::chunk_range`]) and the updated weights are
 //!   all-gathered.
-//! - [`Stage::Zero2`]: gradients are reduce-scattered instead, so each rank keeps only its chunk
+//! - [`ZeroStage::Zero2`]: gradients are reduce-scattered instead, so each rank keeps only its chunk
 //!   (full unit buffers are transient, taken from a pool and returned after the collective).
-//! - [`Stage::Zero3`]: parameters are sharded too: the model holds no persistent weights; each
+//! - [`ZeroStage::Zero3`]: parameters are sharded too: the model holds no persistent weights; each
 //!   segment's units are all-gathered just before the segment runs (forward, and again for the
 //!   recompute of a checkpointed segment) and dropped after, through the executor's
 //!   [`ParamProvider`].
@@ -28,5 +28,5 @@ mod data_parallel;
 mod hooks;
 mod worker;
 
-pub use config::{DataParallelConfig, Stage, StepPreview, StepReport};
+pub use config::{DataParallelConfig, StepPreview, StepReport};
 pub use data_parallel::DataParallel;

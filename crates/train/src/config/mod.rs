@@ -12,10 +12,11 @@ pub use sections::{
 };
 
 use crate::error::{Result, TrainError};
-use kiln_memory::CheckpointPolicy;
+use kiln_memory::RecomputePolicy;
 use kiln_model::{DeviceSpec, GptConfig};
 use kiln_optim::ScheduleConfig;
 use kiln_precision::ComputeDType;
+use kiln_state::ZeroStage;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -114,7 +115,7 @@ impl RunConfig {
     pub fn preset(name: &str) -> Result<Self> {
         let key = name.trim().to_ascii_lowercase().replace('-', "_");
         let base = RunConfig::default();
-        let gpt = |dp: usize, tp: usize, zero: u8, run: &str| RunConfig {
+        let gpt = |dp: usize, tp: usize, zero: ZeroStage, run: &str| RunConfig {
             name: run.to_string(),
             output_dir: PathBuf::from("runs").join(run),
             model: ModelSection {
@@ -143,7 +144,7 @@ impl RunConfig {
                 // all-gather outputs are dropped and computed again in the backward, which
                 // costs a fraction of recomputing the block (its forward is about 6% of the
                 // step here); `every_block` where activation memory is short
-                activation_checkpointing: CheckpointPolicy::Selective(4),
+                recompute: RecomputePolicy::Selective(4),
                 ..TrainSection::default()
             },
             optim: OptimSection {
@@ -197,15 +198,15 @@ impl RunConfig {
                 },
                 ..base
             },
-            "train_gpt" => gpt(2, 2, 1, "train_gpt"),
+            "train_gpt" => gpt(2, 2, ZeroStage::Zero1, "train_gpt"),
             "train_gpt_zero3" => {
-                let mut c = gpt(4, 1, 3, "train_gpt_zero3");
+                let mut c = gpt(4, 1, ZeroStage::Zero3, "train_gpt_zero3");
                 // the micro-batch chosen by kiln-memory's estimate under 1 GiB per rank
                 c.train.dynamic_batch = Some(DynamicBatchSection { budget_mib: 1024.0 });
-                c.train.activation_checkpointing = CheckpointPolicy::EveryKth(4);
+                c.train.recompute = RecomputePolicy::EveryKth(4);
                 c
             }
-            "train_gpt_tp" => gpt(1, 4, 0, "train_gpt_tp"),
+            "train_gpt_tp" => gpt(1, 4, ZeroStage::Replicated, "train_gpt_tp"),
             _ => {
                 return Err(TrainError::config(
                     "RunConfig preset",
@@ -386,18 +387,15 @@ mod tests {
               over all 100"
             ]
         );
-        let e = RunConfig::from_toml_str("[train]\nactivation_checkpointing = \"every_0\"\n")
+        let e = RunConfig::from_toml_str("[train]\nrecompute = \"every_0\"\n")
             .unwrap_err()
             .to_string();
         assert!(e.contains("every_0") && e.contains("every_block"), "{e}");
         let e = RunConfig::default()
-            .apply_overrides(&[("activation_checkpointing", "every_0")])
+            .apply_overrides(&[("recompute", "every_0")])
             .unwrap_err()
             .to_string();
-        assert!(
-            e.contains("RunConfig.train.activation_checkpointing"),
-            "{e}"
-        );
+        assert!(e.contains("RunConfig.train.recompute"), "{e}");
         // sequence parallelism: rows that split over tp, and no LoRA adapters
         let mut c = RunConfig::default();
         c.parallel.tp = 2;
@@ -451,13 +449,20 @@ mod tests {
                 "{e}"
             );
         }
+        // the ZeRO stage is a closed set: a fifth stage is refused where it is read, naming
+        // the field and the value
         let mut c = RunConfig::default();
-        c.parallel.zero = 4;
-        assert!(c
-            .validate()
+        let e = c.apply_overrides(&[("zero", "4")]).unwrap_err().to_string();
+        assert!(
+            e.contains("RunConfig.parallel.zero") && e.contains("got 4"),
+            "{e}"
+        );
+        let e = RunConfig::from_toml_str("[parallel]\nzero = 5\n")
             .unwrap_err()
-            .to_string()
-            .contains("RunConfig.parallel.zero"));
+            .to_string();
+        assert!(e.contains("zero") && e.contains("got 5"), "{e}");
+        c.apply_overrides(&[("zero", "3")]).unwrap();
+        assert_eq!(c.parallel.zero, ZeroStage::Zero3);
     }
 
     #[test]
@@ -471,7 +476,7 @@ mod tests {
             ("corpora", "austen, shakespeare"),
             ("checkpoint.resume_step", "20"),
             ("precision", "fp16"),
-            ("activation_checkpointing", "every_2"),
+            ("recompute", "every_2"),
         ])
         .unwrap();
         assert_eq!(c.train.steps, 30);
@@ -481,10 +486,7 @@ mod tests {
         assert_eq!(c.data.corpora, ["austen", "shakespeare"]);
         assert_eq!(c.checkpoint.resume_step, Some(20));
         assert_eq!(c.precision.compute, ComputeDType::F16);
-        assert_eq!(
-            c.train.activation_checkpointing,
-            CheckpointPolicy::EveryKth(2)
-        );
+        assert_eq!(c.train.recompute, RecomputePolicy::EveryKth(2));
         // the nested crates' configurations, field by field
         c.apply_overrides(&[
             ("precision.scaler.hysteresis", "2"),
@@ -689,7 +691,7 @@ mod tests {
     fn trajectory_hash_ignores_layout_and_outputs() {
         let a = RunConfig::default();
         let mut b = a.clone();
-        b.parallel.zero = 3;
+        b.parallel.zero = ZeroStage::Zero3;
         b.output_dir = "elsewhere".into();
         b.train.steps = 7;
         assert_eq!(a.trajectory_hash(), b.trajectory_hash());

@@ -14,7 +14,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("accum", "train.accumulation"),
     ("seq_len", "train.seq_len"),
     ("ctx", "train.seq_len"),
-    ("activation_checkpointing", "train.activation_checkpointing"),
+    ("recompute", "train.recompute"),
     ("dp", "parallel.dp"),
     ("tp", "parallel.tp"),
     ("zero", "parallel.zero"),

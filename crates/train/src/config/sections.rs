@@ -3,12 +3,12 @@
 use crate::error::{Result, TrainError};
 use kiln_comm::Backend;
 use kiln_data::{MixtureSchedule, QualityConfig};
-use kiln_memory::CheckpointPolicy;
+use kiln_memory::RecomputePolicy;
 use kiln_model::GptConfig;
 use kiln_monitor::{BreakerPolicy, SpikeConfig};
 use kiln_optim::{AdamWConfig, OptimizerConfig, ScheduleConfig, WeightDecayGroups};
-use kiln_parallel::Stage;
 use kiln_precision::{ComputeDType, DynamicScalerConfig};
+use kiln_state::ZeroStage;
 use kiln_tune::LoraConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -88,8 +88,8 @@ pub struct ParallelSection {
     pub dp: usize,
     /// Tensor-parallel degree (must divide heads, width and vocabulary).
     pub tp: usize,
-    /// ZeRO stage: 0 (plain data parallel), 1, 2 or 3.
-    pub zero: u8,
+    /// ZeRO stage: 0 (plain data parallel), 1, 2 or 3 (or its name: `zero2`, ...).
+    pub zero: ZeroStage,
     /// Gradient bucket size in MiB.
     pub bucket_mb: f64,
     /// Overlap the gradient communication with the backward.
@@ -111,7 +111,7 @@ impl Default for ParallelSection {
         ParallelSection {
             dp: 1,
             tp: 1,
-            zero: 0,
+            zero: ZeroStage::Replicated,
             bucket_mb: 25.0,
             overlap: true,
             sequence_parallel: false,
@@ -124,12 +124,6 @@ impl ParallelSection {
     /// The world size, `dp * tp`.
     pub fn world(&self) -> usize {
         self.dp.saturating_mul(self.tp)
-    }
-
-    /// The ZeRO stage.
-    pub fn stage(&self) -> Result<Stage> {
-        Stage::from_number(self.zero)
-            .map_err(|e| TrainError::config("RunConfig.parallel.zero", e.to_string()))
     }
 
     /// The bucket size in bytes.
@@ -184,8 +178,8 @@ pub struct TrainSection {
     /// choose the model (`--preset`, `--model.n_ctx`) without `--ctx`, take the model's
     /// context length.
     pub seq_len: usize,
-    /// Activation checkpointing: `none`, `every_block`, or `every_<k>` (every k-th block).
-    pub activation_checkpointing: CheckpointPolicy,
+    /// Activation recompute: `none`, `every_block`, or `every_<k>` (every k-th block).
+    pub recompute: RecomputePolicy,
     /// Let a memory budget choose the micro-batch: the samples per step on each rank
     /// (`micro_batch * accumulation`) stay fixed, and kiln-memory's [`kiln_memory::DynamicBatch`]
     /// picks the largest micro-batch dividing them whose estimated memory fits the budget,
@@ -215,7 +209,7 @@ impl Default for TrainSection {
             micro_batch: 4,
             accumulation: 1,
             seq_len: 64,
-            activation_checkpointing: CheckpointPolicy::None,
+            recompute: RecomputePolicy::None,
             dynamic_batch: None,
         }
     }

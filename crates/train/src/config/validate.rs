@@ -38,7 +38,6 @@ impl RunConfig {
                 format!("dp ({}) x tp ({}): {e}", p.dp, p.tp),
             )
         })?;
-        p.stage()?;
         if !p.backend.is_built() {
             return bad(
                 "parallel.backend",

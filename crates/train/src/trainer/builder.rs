@@ -185,7 +185,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
             tp: tp.clone(),
             rank,
         })?;
-        let stage = p.stage()?;
+        let stage = p.zero;
         let dpc = DataParallelConfig {
             stage,
             bucket_bytes: p.bucket_bytes(),
@@ -194,7 +194,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
             optimizer: cfg.optim.optimizer,
             // the param_norm and update_param_ratio metrics, computed inside the update
             update_norms: true,
-            checkpoint: cfg.train.activation_checkpointing,
+            recompute: cfg.train.recompute,
         };
         let mut engine = DataParallel::new(&model.segment_param_lists(), &*dp, dpc)?
             .with_world(world.clone())
@@ -540,7 +540,7 @@ impl Trainer<Gpt> {
 /// this run's samples per rank under a budget of `budget_mib` (0: the memory available now,
 /// shared by this process's ranks); with the budget in bytes.
 fn plan_dynamic_batch(cfg: &RunConfig, budget_mib: f64) -> Result<(usize, usize, u64)> {
-    use kiln_memory::{DynamicBatch, MemPrecision, MemoryPlan, ShardingStage};
+    use kiln_memory::{DynamicBatch, MemPrecision, MemoryPlan};
     let field = "RunConfig.train.dynamic_batch";
     let p = &cfg.parallel;
     let budget = if budget_mib > 0.0 {
@@ -567,16 +567,11 @@ fn plan_dynamic_batch(cfg: &RunConfig, budget_mib: f64) -> Result<(usize, usize,
         } else {
             MemPrecision::Mixed16
         },
-        stage: match p.zero {
-            0 => ShardingStage::Replicated,
-            1 => ShardingStage::Zero1,
-            2 => ShardingStage::Zero2,
-            _ => ShardingStage::Zero3,
-        },
+        stage: p.zero,
         dp: p.dp as u64,
         tp: p.tp as u64,
         micro_batch: 1,
-        checkpointing: cfg.train.activation_checkpointing,
+        recompute: cfg.train.recompute,
         bucket_bytes: p.bucket_bytes() as u64,
         sequence_parallel: p.sequence_parallel && p.tp > 1,
     };

@@ -7,7 +7,7 @@ use candle_core::{Tensor, Var};
 use kiln_comm::{CommExt, ReduceOp};
 use kiln_data::{DataLoader, LoaderConfig};
 use kiln_memory::SegmentParams;
-use kiln_parallel::Stage;
+use kiln_parallel::ZeroStage;
 
 use super::Trainer;
 
@@ -28,7 +28,7 @@ impl<M: TrainModel> Trainer<M> {
         let mut val = DataLoader::new(self.val_sources.clone(), None, cfg)?;
         let lists = self.model.segment_param_lists();
         let gathered: Option<std::collections::HashMap<String, Var>> =
-            if self.engine.config().stage == Stage::Zero3 {
+            if self.engine.config().stage == ZeroStage::Zero3 {
                 let layout = self.engine.layout();
                 let mut map = std::collections::HashMap::new();
                 for (name, values) in self.engine.full_params()? {
@@ -80,7 +80,7 @@ impl<M: TrainModel> Trainer<M> {
     /// (collective over the data-parallel group). A no-op for the other stages, whose
     /// variables the engine updates after every step.
     pub fn materialize_weights(&self) -> Result<()> {
-        if self.engine.config().stage != Stage::Zero3 {
+        if self.engine.config().stage != ZeroStage::Zero3 {
             return Ok(());
         }
         let vars: std::collections::HashMap<String, Var> = self

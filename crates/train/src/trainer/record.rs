@@ -24,7 +24,7 @@ impl<M: TrainModel> Trainer<M> {
                 params as f64 / 1e6,
                 c.parallel.dp,
                 c.parallel.tp,
-                c.parallel.zero,
+                c.parallel.zero.number(),
                 c.precision.compute,
                 c.train.micro_batch,
                 c.train.accumulation,

@@ -23,7 +23,7 @@
 
 use super::{report, DataParallel};
 use crate::cuda;
-use crate::engine::config::{Stage, StepPreview, StepReport};
+use crate::engine::config::{StepPreview, StepReport, ZeroStage};
 use crate::engine::hooks::Provider;
 use crate::error::{ParallelError, Result};
 use crate::flat::FlatLayout;
@@ -141,10 +141,11 @@ impl GradHook for DeviceGradSink<'_> {
 impl DataParallel {
     /// Whether this engine's steps run device-resident (see the module docs).
     pub(super) fn resident_eligible(&self) -> bool {
-        let group = self.dp_size == 1 || (self.cfg.stage == Stage::Replicated && self.nccl_dp());
+        let group =
+            self.dp_size == 1 || (self.cfg.stage == ZeroStage::Replicated && self.nccl_dp());
         self.device.is_cuda()
             && group
-            && self.cfg.stage != Stage::Zero3
+            && self.cfg.stage != ZeroStage::Zero3
             && (0..self.optim.len()).all(|u| self.adamw(u).is_some())
     }
 
@@ -220,7 +221,7 @@ impl DataParallel {
         let t0 = Instant::now();
         self.ensure_resident()?;
         let scale = scaler.scale();
-        let executor = Executor::new(self.cfg.checkpoint);
+        let executor = Executor::new(self.cfg.recompute);
         let accum = micro_batches.len();
         let mut loss_sum = 0.0f64;
         let mut forward_s = 0.0f64;

@@ -1,4 +1,4 @@
-//! Activation checkpointing: peak memory and time of one forward + backward of an 8-layer GPT,
+//! Activation recompute: peak memory and time of one forward + backward of an 8-layer GPT,
 //! with every block recomputed and with every block checkpointed selectively (its LayerNorm and
 //! GELU outputs computed again), against none.
 //!
@@ -8,7 +8,7 @@
 //! medians of the passes after the first. Prints one JSON line per policy and one with the
 //! ratios against none.
 //!
-//! Run: `cargo run --release -p kiln-bench --bin bench_checkpointing` (`-- --batch N --layers N`).
+//! Run: `cargo run --release -p kiln-bench --bin bench_recompute` (`-- --batch N --layers N`).
 
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
 #[global_allocator]
@@ -17,7 +17,7 @@ static GLOBAL: kiln_train::alloc::KilnAlloc = kiln_train::alloc::KilnAlloc;
 use candle_core::{Device, Tensor};
 use clap::Parser;
 use kiln_memory::{
-    CheckpointPolicy, CollectGrads, Executor, MicroBatch, SegmentParams, StaticParams,
+    CollectGrads, Executor, MicroBatch, RecomputePolicy, SegmentParams, StaticParams,
 };
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use std::time::Instant;
@@ -26,7 +26,7 @@ use std::time::Instant;
 /// checkpointing policy, each in a fresh child process; one JSON line per policy and one with
 /// the ratios against none.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "bench_checkpointing")]
+#[command(name = "bench_recompute")]
 struct Args {
     /// Sequences per pass
     #[arg(long, value_name = "N", default_value_t = 8)]
@@ -76,7 +76,7 @@ fn main() -> anyhow::Result<()> {
         _ => "null".into(),
     };
     println!(
-        "{{\"bench\":\"checkpointing_ratio\",\"peak_memory_ratio\":{},\"time_overhead\":{:.3},\"selective_peak_memory_ratio\":{},\"selective_time_overhead\":{:.3}}}",
+        "{{\"bench\":\"recompute_ratio\",\"peak_memory_ratio\":{},\"time_overhead\":{:.3},\"selective_peak_memory_ratio\":{},\"selective_time_overhead\":{:.3}}}",
         ratio(1),
         t(&lines[1]) / t(&lines[0]) - 1.0,
         ratio(2),
@@ -104,7 +104,7 @@ fn child(args: &Args, policy_name: &str) -> anyhow::Result<()> {
         .into_iter()
         .map(SegmentParams::new)
         .collect();
-    let policy: CheckpointPolicy = policy_name.parse()?;
+    let policy: RecomputePolicy = policy_name.parse()?;
     let exec = Executor::new(policy);
     let micro = MicroBatch::new(x, y)?;
     let mut times = Vec::new();
@@ -128,7 +128,7 @@ fn child(args: &Args, policy_name: &str) -> anyhow::Result<()> {
     times.sort_by(f64::total_cmp);
     let t = times[times.len() / 2];
     println!(
-        "{{\"bench\":\"checkpointing\",\"policy\":\"{policy_name}\",\"layers\":{layers},\"batch\":{batch},\"seq\":{seq},\"fwd_bwd_s\":{t:.4},\"peak_mib\":{},\"loss\":{loss}}}",
+        "{{\"bench\":\"recompute\",\"policy\":\"{policy_name}\",\"layers\":{layers},\"batch\":{batch},\"seq\":{seq},\"fwd_bwd_s\":{t:.4},\"peak_mib\":{},\"loss\":{loss}}}",
         peak.map(|k| format!("{:.1}", k as f64 / 1024.0)).unwrap_or_else(|| "null".into())
     );
     Ok(())
