@@ -14,14 +14,14 @@ static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
 use anyhow::{bail, Result};
 use candle_core::Device;
-use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState};
-use kiln_ckpt::{ReshardRequest, Stateful, Step};
-use kiln_comm::Communicator;
-use kiln_model::{Gpt, GptConfig, GptOptions};
-use kiln_monitor::{ConsoleSink, JsonlSink, MetricSink, MultiSink, StepMetrics};
-use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, ZeroStage};
-use kiln_precision::NoScaler;
-use kiln_tune::{
+use kiln::ckpt::{CheckpointConfig, Checkpointer, Layout, LoadOptions, LocalFs, RankState};
+use kiln::ckpt::{ReshardRequest, Stateful, Step};
+use kiln::comm::Communicator;
+use kiln::model::{Gpt, GptConfig, GptOptions};
+use kiln::monitor::{ConsoleSink, JsonlSink, MetricSink, MultiSink, StepMetrics};
+use kiln::parallel::{DataParallel, DataParallelConfig, ParallelDims, ZeroStage};
+use kiln::precision::NoScaler;
+use kiln::tune::{
     last_word_pairs, model_log_probs, preference_batch, DpoConfig, DpoObjective, ExampleLoader,
     PreferencePair, RewardModel, IGNORE_INDEX,
 };
@@ -237,7 +237,7 @@ fn write_back(engine: &DataParallel, lists: &[Vec<(String, candle_core::Var)>]) 
         lists.iter().flatten().cloned().collect();
     for (name, values) in engine.full_params()? {
         if let Some(v) = vars.get(&name) {
-            kiln_parallel::write_var(v, &values)?;
+            kiln::parallel::write_var(v, &values)?;
         }
     }
     Ok(())
@@ -258,7 +258,7 @@ fn main() -> Result<()> {
         a.zero.number()
     );
     let shared = a.clone();
-    let outs = kiln_comm::spawn(a.dp * a.tp, move |comm| rank(Arc::new(comm), &shared))
+    let outs = kiln::comm::spawn(a.dp * a.tp, move |comm| rank(Arc::new(comm), &shared))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let r = &outs[0];
     if r.from > 0 {

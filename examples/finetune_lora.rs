@@ -16,10 +16,10 @@
 static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
-use kiln_memory::{MemPrecision, MemoryPlan, RecomputePolicy};
-use kiln_model::{GptConfig, PRESET_NAMES};
-use kiln_train::{run_with, Pretrained, RunConfig, Trainer};
-use kiln_tune::{LoraConfig, LoraTarget};
+use kiln::memory::{MemPrecision, MemoryPlan, RecomputePolicy};
+use kiln::model::{GptConfig, PRESET_NAMES};
+use kiln::train::{run_with, Pretrained, RunConfig, Trainer};
+use kiln::tune::{LoraConfig, LoraTarget};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -181,7 +181,7 @@ fn main() -> Result<()> {
     );
     let results = run_with(
         &cfg,
-        |ctx| -> kiln_train::Result<(kiln_train::TrainSummary, Outcome)> {
+        |ctx| -> kiln::train::Result<(kiln::train::TrainSummary, Outcome)> {
             let handle = Arc::new(Mutex::new(None));
             let slot = handle.clone();
             let mut t = Trainer::builder(ctx.config.clone())
@@ -197,7 +197,7 @@ fn main() -> Result<()> {
                 .lock()
                 .ok()
                 .and_then(|mut s| s.take())
-                .ok_or_else(|| kiln_train::TrainError::Builder("no LoRA adapters".into()))?;
+                .ok_or_else(|| kiln::train::TrainError::Builder("no LoRA adapters".into()))?;
             let before = t.evaluate()?;
             while t.step() < ctx.config.train.steps {
                 t.train_step()?;
@@ -261,9 +261,9 @@ fn main() -> Result<()> {
     println!(
         "adapter: {} ({} bytes); adapter-only checkpoints in {}",
         adapter_dir
-            .join(kiln_tune::lora::ADAPTER_WEIGHTS_FILE)
+            .join(kiln::tune::lora::ADAPTER_WEIGHTS_FILE)
             .display(),
-        file_len(&adapter_dir.join(kiln_tune::lora::ADAPTER_WEIGHTS_FILE)),
+        file_len(&adapter_dir.join(kiln::tune::lora::ADAPTER_WEIGHTS_FILE)),
         cfg.checkpoint_dir().display()
     );
     println!("done in {:.1} s", t0.elapsed().as_secs_f64());

@@ -12,7 +12,7 @@
 #[global_allocator]
 static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
-use kiln_monitor::*;
+use kiln::monitor::*;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashSet;
@@ -51,7 +51,7 @@ fn main() -> anyhow::Result<()> {
     let mut breaker = CircuitBreaker::new(BreakerPolicy::default())?;
     // MFU against this machine's f32 peak (cores x clock x vector units), its basis printed;
     // none where the CPU does not say enough to compute it
-    let mfu = match CpuInfo::probe().and_then(|cpu| cpu.peak(kiln_state::DType::F32)) {
+    let mfu = match CpuInfo::probe().and_then(|cpu| cpu.peak(kiln::state::DType::F32)) {
         Ok(peak) => {
             println!("mfu of the simulated step times against the {peak}");
             Some(Mfu::new(

@@ -15,16 +15,16 @@ static GLOBAL: kiln::alloc::KilnAlloc = kiln::alloc::KilnAlloc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
-use kiln_ckpt::ZeroStage;
-use kiln_ckpt::{CheckpointConfig, Checkpointer, Layout, LocalFs, RankState, Stateful, Step};
-use kiln_comm::Communicator;
-use kiln_data::{default_cache_dir, prepare_corpus, DataLoader, LoaderConfig, PrepareConfig};
-use kiln_data::{TokenSource, Verify};
-use kiln_model::{Gpt, GptOptions};
-use kiln_parallel::{DataParallel, DataParallelConfig};
-use kiln_precision::NoScaler;
-use kiln_train::{run_with, Pretrained, RunConfig, Trainer};
-use kiln_tune::{export_int8, load_int8, qat_gpt, Qat, QatConfig};
+use kiln::ckpt::ZeroStage;
+use kiln::ckpt::{CheckpointConfig, Checkpointer, Layout, LocalFs, RankState, Stateful, Step};
+use kiln::comm::Communicator;
+use kiln::data::{default_cache_dir, prepare_corpus, DataLoader, LoaderConfig, PrepareConfig};
+use kiln::data::{TokenSource, Verify};
+use kiln::model::{Gpt, GptOptions};
+use kiln::parallel::{DataParallel, DataParallelConfig};
+use kiln::precision::NoScaler;
+use kiln::train::{run_with, Pretrained, RunConfig, Trainer};
+use kiln::tune::{export_int8, load_int8, qat_gpt, Qat, QatConfig};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -165,7 +165,7 @@ fn finetune(
         let loss = engine
             .step(
                 model,
-                &[kiln_memory::MicroBatch::new(x, y)?],
+                &[kiln::memory::MicroBatch::new(x, y)?],
                 a.lr,
                 &mut NoScaler,
             )?
@@ -202,7 +202,7 @@ fn ptq(model: &Gpt, train: &[TokenSource], path: &std::path::Path) -> Result<()>
         .into_iter()
         .map(|(n, v)| {
             let t = v.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-            Ok((n, kiln_state::TensorData::from_slice(v.dims(), &t)?))
+            Ok((n, kiln::state::TensorData::from_slice(v.dims(), &t)?))
         })
         .collect::<Result<Vec<_>>>()?;
     q.load_full_parameters(&params)?;
@@ -253,7 +253,7 @@ fn main() -> Result<()> {
         opts.clone(),
     );
     let (f32_ptq2, qat_path2) = (f32_ptq.clone(), qat_path.clone());
-    let outs = kiln_comm::spawn(a.dp, move |comm| -> Result<(f64, u64, u64)> {
+    let outs = kiln::comm::spawn(a.dp, move |comm| -> Result<(f64, u64, u64)> {
         let (a, pre, train, val, opts) = &shared;
         let world: Arc<dyn Communicator> = Arc::new(comm);
         let plain = Gpt::new(&pre.config, opts)?;

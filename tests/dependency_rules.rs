@@ -85,3 +85,55 @@ fn no_crate_depends_against_the_documented_direction() {
     println!("{checked} crates follow the documented dependency direction");
     assert!(checked >= 11, "only {checked} crates found");
 }
+
+/// The longest a source file may be before it must say why it is one concept.
+const MAX_LINES: usize = 800;
+
+/// Whether a file's module comment (its leading `//!` lines) says why it is one concept, with a
+/// line that starts `//! One concept:`.
+fn says_one_concept(text: &str) -> bool {
+    text.lines()
+        .take_while(|l| l.starts_with("//!"))
+        .any(|l| l.starts_with("//! One concept:"))
+}
+
+#[test]
+fn no_source_file_is_longer_than_the_limit_unless_it_says_why() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = kiln_testkit::rust_sources(&root.join("src"));
+    for entry in std::fs::read_dir(root.join("crates")).unwrap() {
+        let src = entry.unwrap().path().join("src");
+        if src.is_dir() {
+            files.extend(kiln_testkit::rust_sources(&src));
+        }
+    }
+    assert!(files.len() > 100, "only {} source files found", files.len());
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let text = std::fs::read_to_string(f).unwrap();
+            let n = text.lines().count();
+            (n > MAX_LINES && !says_one_concept(&text))
+                .then(|| format!("{} ({n} lines)", f.strip_prefix(root).unwrap().display()))
+        })
+        .collect();
+    assert!(
+        long.is_empty(),
+        "source files over {MAX_LINES} lines whose module comment gives no `//! One concept:` \
+         reason; split them by concept: {long:?}"
+    );
+    println!(
+        "{} source files, none over {MAX_LINES} lines without a reason",
+        files.len()
+    );
+}
+
+#[test]
+fn the_line_limit_check_sees_a_long_file_and_its_reason() {
+    let long = "fn f() {}\n".repeat(MAX_LINES + 1);
+    assert!(long.lines().count() > MAX_LINES && !says_one_concept(&long));
+    let justified = format!("//! A parser.\n//! One concept: one grammar's rules.\n{long}");
+    assert!(says_one_concept(&justified));
+    let late = format!("//! A parser.\n\n//! One concept: too late.\n{long}");
+    assert!(!says_one_concept(&late));
+}

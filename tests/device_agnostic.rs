@@ -4,7 +4,7 @@
 //! fails this test until it is justified.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// `(file, what the line contains, why the CPU is right there)`.
 const ALLOWED: &[(&str, &str, &str)] = &[
@@ -39,17 +39,6 @@ const ALLOWED: &[(&str, &str, &str)] = &[
         "the CPU device spec opens the CPU",
     ),
 ];
-
-fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            sources(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
 
 /// Whether `f` is a `tests.rs` that its parent module (`dir.rs` beside `dir/`) declares as
 /// `#[cfg(test)] mod tests;`: test code in a file of its own.
@@ -91,7 +80,7 @@ fn library_code_puts_nothing_on_the_cpu_unasked() {
         if dir.ends_with("testkit") {
             continue; // test support, not library code
         }
-        sources(&dir.join("src"), &mut files);
+        files.extend(kiln_testkit::rust_sources(&dir.join("src")));
     }
     let mut unexplained = Vec::new();
     let mut allowed_hits = 0;

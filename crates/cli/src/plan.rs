@@ -21,7 +21,7 @@ pub enum PlanPrecision {
 #[derive(Debug, Clone, clap::Args)]
 #[command(after_help = "Example:\n  kiln plan-memory gpt3_175b --dp 64 --tp 8")]
 pub struct PlanArgs {
-    /// The model preset (gpt3_small ... gpt3_175b, small_cpu, tiny, llama3_8b, ...)
+    /// The model preset (tiny, small_cpu, gpt3_small ... gpt3_175b)
     #[arg(value_name = "PRESET", default_value = "gpt3_175b")]
     pub preset: String,
     /// Data-parallel degree

@@ -29,7 +29,7 @@ pub struct TrainArgs {
     /// Load a TOML run configuration instead of the run preset
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// The model preset (tiny, small_cpu, gpt3_small, ..., llama3_8b): model.preset
+    /// The model preset (tiny, small_cpu, gpt3_small ... gpt3_175b): model.preset
     #[arg(long, value_name = "NAME")]
     pub preset: Option<String>,
     /// Optimizer steps: train.steps

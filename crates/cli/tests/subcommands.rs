@@ -1,7 +1,7 @@
 //! Every subcommand of the `kiln` binary, run once as a user runs it, on small real inputs:
 //!
-//! - `--help` on the command and on each subcommand lists its flags; a wrong flag is a usage
-//!   error (exit code 2) naming it;
+//! - `--help` on the command and on each subcommand lists its flags and names only presets
+//!   kiln-model knows; a wrong flag is a usage error (exit code 2) naming it;
 //! - `kiln train --run tiny` trains 8 steps and writes finite losses and a checkpoint;
 //!   `--print-config` prints the configuration it would train, which reads back as that run;
 //! - `kiln export-hf` writes the checkpoint as a GPT-2 folder whose `config.json` has the
@@ -207,6 +207,21 @@ fn help_lists_every_subcommand_and_its_flags() {
         let help = ok(kiln().args([sub, "--help"]));
         for f in flags {
             assert!(help.contains(f), "kiln {sub} --help lacks {f}:\n{help}");
+        }
+        // every preset the help names is one the model knows
+        if let Some(line) = help.lines().find(|l| l.contains("--preset")) {
+            let named = line.split_once('(').unwrap().1.split_once(')').unwrap().0;
+            let names: Vec<&str> = named
+                .split([',', ' '])
+                .filter(|n| !n.is_empty() && *n != "...")
+                .collect();
+            assert!(names.len() >= 3, "kiln {sub}: {line}");
+            for n in names {
+                assert!(
+                    kiln_model::GptConfig::by_name(n).is_ok(),
+                    "kiln {sub} --help names the preset {n}, which kiln-model does not know"
+                );
+            }
         }
     }
     // usage errors name the flag and exit with 2

@@ -319,6 +319,24 @@ pub fn mpirun_self(
     run
 }
 
+/// Every `.rs` file under `dir`, recursively, in the order the directory lists them (for tests
+/// that check a rule over the source tree). An unreadable folder panics, naming it.
+pub fn rust_sources(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let entries = std::fs::read_dir(dir).unwrap_or_else(|e| panic!("read {}: {e}", dir.display()));
+    for entry in entries {
+        let path = entry
+            .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
+            .path();
+        if path.is_dir() {
+            out.extend(rust_sources(&path));
+        } else if path.extension().is_some_and(|x| x == "rs") {
+            out.push(path);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,7 +23,7 @@
 
 use super::{report, DataParallel};
 use crate::cuda;
-use crate::engine::config::{StepPreview, StepReport, ZeroStage};
+use crate::engine::config::{StepPreview, StepReport};
 use crate::engine::hooks::Provider;
 use crate::error::{ParallelError, Result};
 use crate::flat::FlatLayout;
@@ -34,6 +34,7 @@ use kiln_comm::{chunk_range, CommExt, Communicator, ReduceOp};
 use kiln_memory::{BoxError, Executor, GradHook, MicroBatch, SegmentedModel};
 use kiln_optim::{AdamW, Optimizer, SquareSum};
 use kiln_precision::LossScaler;
+use kiln_state::ZeroStage;
 use std::ops::Range;
 use std::time::Instant;
 
