@@ -247,7 +247,7 @@ impl Gpt {
         }
     }
 
-    /// The number of trainable elements actually held (equals [`GptConfig::param_count`]
+    /// The number of trainable elements actually held (equals [`GptConfig::param_count`](crate::GptConfig::param_count)
     /// for dense layers).
     pub fn num_parameters(&self) -> usize {
         self.named_parameters()

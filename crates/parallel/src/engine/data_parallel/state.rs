@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 impl DataParallel {
     /// Runs the optimizer `factory` builds on every shard in place of the configured one
-    /// ([`DataParallelConfig::optimizer`]): an optimizer of your own, or a configured one with
+    /// ([`DataParallelConfig::optimizer`](crate::DataParallelConfig::optimizer)): an optimizer of your own, or a configured one with
     /// different options. Only before the first step (the optimizers' state starts at zero);
     /// weight-decay groups already set carry over.
     pub fn with_optimizer(mut self, factory: Arc<dyn OptimizerFactory>) -> Result<Self> {
