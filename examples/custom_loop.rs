@@ -1,5 +1,5 @@
 //! A training loop written by hand from kiln's crates, without kiln-train's `Trainer`: `tiny`
-//! GPT, data parallel with ZeRO, fp16 with loss scaling, activation checkpointing, a schedule,
+//! GPT, data parallel with ZeRO, fp16 with loss scaling, activation recomputation, a schedule,
 //! clipping, detectors and a breaker between backward and update, sinks, and checkpoints of
 //! every component that resume bitwise and reshard. Walk-through: `docs/custom-trainer.md`.
 //! Run: `cargo run --release --example custom_loop -- --dp 2 --zero 2` (and `--steps N`,

@@ -8,7 +8,7 @@
 //!   and the restart supervisor.
 //! - `precision`: precision policy, loss scaling, non-finite checks.
 //! - `optim`: AdamW on flat f32 shards, learning-rate schedules, global-norm clipping.
-//! - `memory`: the segmented executor, activation checkpointing, memory estimates.
+//! - `memory`: the segmented executor, activation recomputation, memory estimates.
 //! - `kernels`: the computation: the CPU matrix products every dense layer uses, the fused ops'
 //!   CPU and CUDA kernels.
 //! - `model`: the GPT-3-style decoder and its trainable fused ops.

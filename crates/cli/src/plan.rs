@@ -125,7 +125,7 @@ impl PlanArgs {
                 gib(no_ckpt)
             )?;
         }
-        out.push_str("(GiB per rank; activations for one micro-batch, with activation checkpointing every block unless noted)\n");
+        out.push_str("(GiB per rank; activations for one micro-batch, with every block recomputed unless noted)\n");
         Ok(out)
     }
 

@@ -16,7 +16,7 @@
 //! (2·a·s²·b / t), where s is the sequence length, b the micro-batch, h the model width, a the
 //! number of heads and t the tensor-parallel degree. Korthikanti et al. (2022) count
 //! 34·s·b·h + 5·a·s²·b bytes for Megatron's block in 16-bit with dropout; kiln's block has no
-//! dropout masks. With activation checkpointing a recomputed block keeps only its input (s·b·h),
+//! dropout masks. With activation recomputation a recomputed block keeps only its input (s·b·h),
 //! and one recomputed block's activations exist at a time, during its recomputation; the
 //! blocks a [`RecomputePolicy`] leaves alone keep all of theirs. Under sequence parallelism
 //! ([`MemoryPlan::sequence_parallel`], with t > 1) the replicated part is split as well:

@@ -7,7 +7,7 @@
 //! (`(output * grad_output).sum_all().backward()`): after each segment, its parameter gradients
 //! go to a [`GradHook`] (bucketed all-reduce or reduce-scatter overlapping the segments below),
 //! and the gradient of its input seeds the segment below. Between segments the executor can also
-//! recompute a segment's forward just before its backward (activation checkpointing, see
+//! recompute a segment's forward just before its backward (activation recomputation, see
 //! [`RecomputePolicy`]) and ask a [`ParamProvider`] for a segment's parameters just before it
 //! runs (ZeRO-3 gathers them there and frees them after).
 //!

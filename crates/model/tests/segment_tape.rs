@@ -1,7 +1,7 @@
 //! A block segment's backward from its tape (kiln's ops, no zero-filled buffer and addition per
 //! graph input) against candle's backward of the same graph: the tape covers every block, and
 //! the executor's gradients are bitwise those of the whole model's `backward()`, with and
-//! without activation checkpointing, at f32 and at bf16 matmul precision.
+//! without activation recomputation, at f32 and at bf16 matmul precision.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use candle_core::{DType, Device, Tensor, Var};

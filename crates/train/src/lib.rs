@@ -2,7 +2,7 @@
 //! a TOML [`RunConfig`] and replaceable part by part.
 //!
 //! - [`RunConfig`]: the whole run (model preset, dp x tp, ZeRO stage, precision, batch shape,
-//!   schedule, clipping, activation checkpointing, checkpoints, evaluation, data, sinks,
+//!   schedule, clipping, activation recomputation, checkpoints, evaluation, data, sinks,
 //!   detectors and breaker), with [`RunConfig::preset`]s, TOML files, validation that names the
 //!   field, and command-line overrides ([`RunConfig::from_args`]).
 //! - [`Trainer`] and its [`TrainerBuilder`]: one rank of a run over any

@@ -7,7 +7,7 @@
 //! smoothing, 0 by default), averaged over pairs.
 //!
 //! [`DpoObjective`] runs the policy through kiln's segmented executor (so DPO trains under the
-//! data-parallel engine, ZeRO, tensor parallelism and activation checkpointing like
+//! data-parallel engine, ZeRO, tensor parallelism and activation recomputation like
 //! pretraining) with a head that computes this loss. The reference's log-probabilities are
 //! computed beforehand ([`crate::model_log_probs`]) and travel with the batch as its named
 //! tensor [`REFERENCE_LOG_PROBS`] ([`DpoObjective::micro_batch`]), so gradient accumulation

@@ -1,6 +1,6 @@
 //! Post-training for kiln's GPT: instruction fine-tuning, LoRA adapters, a reward model, DPO
 //! and int8 quantization-aware training, each a piece that runs under kiln's data-parallel
-//! engine (ZeRO, tensor parallelism, activation checkpointing) and checkpoints like
+//! engine (ZeRO, tensor parallelism, activation recomputation) and checkpoints like
 //! pretraining.
 //!
 //! - [`batch`]: instruction [`Example`]s and [`PreferencePair`]s as padded rows with the loss

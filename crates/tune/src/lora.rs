@@ -251,7 +251,7 @@ impl LoraLinear {
     }
 
     /// The dropout mask (already divided by `1 - p`) for `x`, keyed by the seed, the layer, the
-    /// step and `x`'s contents, so that a recomputed forward (activation checkpointing) draws
+    /// step and `x`'s contents, so that a recomputed forward (activation recomputation) draws
     /// the same mask.
     fn dropout_mask(&self, x: &Tensor) -> Result<Tensor> {
         let values: Vec<f32> = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;

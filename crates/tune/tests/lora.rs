@@ -452,7 +452,7 @@ fn dropout_masks_are_drawn_again_by_a_recomputed_forward() {
     let plain = model.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap();
     assert_ne!(plain.to_bits(), results[0].0.to_bits());
     println!(
-        "dropout 0.2: loss {} with and without activation checkpointing (no dropout: {plain})",
+        "dropout 0.2: loss {} with and without activation recomputation (no dropout: {plain})",
         results[0].0
     );
 }

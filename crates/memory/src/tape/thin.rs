@@ -1,5 +1,5 @@
 //! A tape whose cheap outputs are dropped after the forward and computed again in the
-//! backward: selective activation checkpointing (Korthikanti et al., 2022, recompute only
+//! backward: selective activation recomputation (Korthikanti et al., 2022, recompute only
 //! what costs little to run again).
 //!
 //! [`Tape::thin`] turns a segment's records into a table of values, each held once: the

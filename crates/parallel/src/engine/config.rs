@@ -25,7 +25,7 @@ pub struct DataParallelConfig {
     /// applied step ([`StepReport::param_norm`], [`StepReport::update_ratio`]): computed
     /// inside the update, unit by unit, at the cost of two collectives (off by default).
     pub update_norms: bool,
-    /// Activation checkpointing.
+    /// Activation recomputation.
     pub recompute: RecomputePolicy,
 }
 

@@ -164,7 +164,7 @@ impl PrecisionSection {
     }
 }
 
-/// The training loop: length, batch shape and activation checkpointing.
+/// The training loop: length, batch shape and activation recomputation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainSection {
