@@ -43,6 +43,6 @@ pub use error::{BoxError, MemoryError, Result};
 pub use estimate::{MemPrecision, MemoryEstimate, MemoryPlan, ModelShape};
 pub use kiln_state::ZeroStage;
 pub use segment::{
-    CollectGrads, Executor, GradHook, ParamProvider, Phase, RecomputePolicy, SegmentParams,
-    SegmentedModel, StaticParams, StepOutput,
+    Backwarded, CollectGrads, Executor, Forwarded, GradHook, ParamProvider, Phase, RecomputePolicy,
+    SegmentParams, SegmentedModel, StaticParams, StepOutput,
 };

@@ -427,10 +427,44 @@ impl Executor {
                 message: "the model has no segment".into(),
             });
         }
+        let forwarded = self.forward(model, 0..n, batch.inputs().clone(), batch, provider)?;
+        let loss = forwarded.output.clone();
+        let forward_s = forwarded.forward_s;
+        let back = self.backward(model, forwarded, None, batch, provider, hook, loss_scale)?;
+        Ok(StepOutput {
+            loss,
+            recomputed: back.recomputed,
+            forward_s,
+        })
+    }
+
+    /// The forward half of [`Executor::run`] over the segments `segments` of `model` (a
+    /// pipeline stage runs its own): `input` is the first segment's input (the micro-batch's
+    /// inputs for segment 0, the previous stage's output otherwise, which becomes a leaf whose
+    /// gradient [`Executor::backward`] returns). What the backward needs is kept in the result
+    /// as the recomputation policy says (over the whole model's segment count); its `output` is
+    /// the last segment's, detached: the scalar loss when the range ends the model.
+    pub fn forward<M: SegmentedModel + ?Sized>(
+        &self,
+        model: &M,
+        segments: std::ops::Range<usize>,
+        input: Tensor,
+        batch: &MicroBatch,
+        provider: &mut dyn ParamProvider,
+    ) -> Result<Forwarded> {
+        let n = model.num_segments();
+        if segments.is_empty() || segments.end > n {
+            return Err(MemoryError::Segment {
+                segment: segments.start,
+                message: format!(
+                    "segments {segments:?} are not a non-empty range of the model's {n}"
+                ),
+            });
+        }
         let t_forward = std::time::Instant::now();
-        let mut saved: Vec<Saved> = Vec::with_capacity(n);
-        let mut x = batch.inputs().clone();
-        for i in 0..n {
+        let mut saved: Vec<Saved> = Vec::with_capacity(segments.len());
+        let mut x = input;
+        for i in segments.clone() {
             let params = provider
                 .acquire(i, Phase::Forward)
                 .map_err(|source| hook_err("parameter provider", i, source))?;
@@ -483,22 +517,48 @@ impl Executor {
                 });
             }
         }
-        let loss = x;
         let forward_s = t_forward.elapsed().as_secs_f64();
-        if loss.elem_count() != 1 {
+        if segments.end == n && x.elem_count() != 1 {
             return Err(MemoryError::Segment {
                 segment: n - 1,
                 message: format!(
                     "the last segment must return a scalar loss, got shape {:?}",
-                    loss.dims()
+                    x.dims()
                 ),
             });
         }
+        Ok(Forwarded {
+            saved,
+            first: segments.start,
+            output: x,
+            forward_s,
+        })
+    }
 
+    /// The backward half of [`Executor::run`] for what [`Executor::forward`] kept: from the
+    /// last segment of its range to the first, each segment's parameter gradients to `hook`.
+    /// `grad_output` is the gradient of the range's output (from the next pipeline stage), or
+    /// `None` when the range ends with the loss, whose gradient is `loss_scale`. Returns the
+    /// gradient of the range's input, for the previous stage (none when the range starts at
+    /// segment 0).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward<M: SegmentedModel + ?Sized>(
+        &self,
+        model: &M,
+        forwarded: Forwarded,
+        grad_output: Option<Tensor>,
+        batch: &MicroBatch,
+        provider: &mut dyn ParamProvider,
+        hook: &mut dyn GradHook,
+        loss_scale: f64,
+    ) -> Result<Backwarded> {
         let mut recomputed = 0;
-        let mut grad_out: Option<Tensor> = None;
+        let Forwarded {
+            mut saved, first, ..
+        } = forwarded;
+        let mut grad_out: Option<Tensor> = grad_output;
         while let Some(mut s) = saved.pop() {
-            let i = saved.len();
+            let i = first + saved.len();
             if let Some(thinned) = s.thinned.take() {
                 let (Some(params), Some(out)) = (s.params, thinned.output()) else {
                     return Err(MemoryError::Segment {
@@ -556,12 +616,39 @@ impl Executor {
                 .release(i, params)
                 .map_err(|source| hook_err("parameter provider", i, source))?;
         }
-        Ok(StepOutput {
-            loss,
+        Ok(Backwarded {
+            grad_input: grad_out,
             recomputed,
-            forward_s,
         })
     }
+}
+
+/// What [`Executor::forward`] kept for the backward of its segments, and their output.
+pub struct Forwarded {
+    saved: Vec<Saved>,
+    first: usize,
+    /// The last segment's output, detached (the scalar loss when the range ends the model).
+    pub output: Tensor,
+    /// Seconds of host time in the forward.
+    pub forward_s: f64,
+}
+
+impl std::fmt::Debug for Forwarded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Forwarded")
+            .field("segments", &(self.first..self.first + self.saved.len()))
+            .field("output", &self.output.dims())
+            .finish()
+    }
+}
+
+/// What [`Executor::backward`] returns.
+#[derive(Debug, Clone)]
+pub struct Backwarded {
+    /// The gradient of the range's input (`None` when the range starts at segment 0).
+    pub grad_input: Option<Tensor>,
+    /// Segments whose forward ran again (checkpointed).
+    pub recomputed: usize,
 }
 
 impl Executor {

@@ -339,3 +339,67 @@ fn a_non_scalar_loss_is_an_error() {
         .unwrap_err();
     assert!(err.to_string().contains("scalar loss"), "{err}");
 }
+
+/// The model cut into pipeline stages, [`Executor::forward`] and [`Executor::backward`] over
+/// each range with the activations and their gradients handed between them: the loss and every
+/// gradient bitwise those of [`Executor::run`] over the whole model, for every cut and policy.
+#[test]
+fn stage_ranges_equal_the_whole_run() {
+    let m = Toy::new();
+    let n = m.num_segments();
+    for policy in [
+        RecomputePolicy::None,
+        RecomputePolicy::EveryBlock,
+        RecomputePolicy::Selective(1),
+    ] {
+        let (loss, grads, _) = segmented(&m, policy);
+        for cuts in [
+            vec![0, 1, n],
+            vec![0, 3, n],
+            vec![0, 2, 4, n],
+            vec![0, n - 1, n],
+        ] {
+            let (x, y) = batch();
+            let b = MicroBatch::new(x.clone(), y).unwrap();
+            let mut provider = StaticParams::new(m.params.clone());
+            let mut hook = CollectGrads::default();
+            let ex = Executor::new(policy);
+            let mut kept = Vec::new();
+            let mut act = x;
+            for w in cuts.windows(2) {
+                let f = ex.forward(&m, w[0]..w[1], act, &b, &mut provider).unwrap();
+                act = f.output.clone();
+                kept.push(f);
+            }
+            let stage_loss = act.to_scalar::<f32>().unwrap();
+            let mut grad = None;
+            while let Some(f) = kept.pop() {
+                let first = kept.is_empty();
+                let out = ex
+                    .backward(&m, f, grad.take(), &b, &mut provider, &mut hook, 1.0)
+                    .unwrap();
+                assert_eq!(out.grad_input.is_none(), first, "{cuts:?}");
+                grad = out.grad_input;
+            }
+            assert_eq!(stage_loss.to_bits(), loss.to_bits(), "{policy:?} {cuts:?}");
+            let staged: Vec<(String, Vec<f32>)> = m
+                .all_vars()
+                .into_iter()
+                .map(|(name, _)| {
+                    let t = hook.get(&name).unwrap();
+                    (name, flat(t))
+                })
+                .collect();
+            assert_same(&staged, &grads);
+        }
+    }
+    // a range that is empty or past the model is an error naming it
+    let (x, y) = batch();
+    let b = MicroBatch::new(x.clone(), y).unwrap();
+    let mut provider = StaticParams::new(m.params.clone());
+    let e = Executor::new(RecomputePolicy::None)
+        .forward(&m, 2..n + 1, x, &b, &mut provider)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("segments 2..7"), "{e}");
+}

@@ -1,14 +1,20 @@
-//! `ParallelDims`: the data-parallel x tensor-parallel grid, validated against the world size
-//! and the model.
+//! `ParallelDims`: the data-parallel x tensor-parallel x pipeline-parallel grid, validated
+//! against the world size and the model, and the groups it splits the world into.
 
 use crate::error::{ParallelError, Result};
 use kiln_comm::Communicator;
 use kiln_memory::ModelShape;
 
-/// The degrees of parallelism: `dp` data-parallel replicas of a model split over `tp` ranks.
+fn one() -> usize {
+    1
+}
+
+/// The degrees of parallelism: `pp` pipeline stages, each held by `dp` data-parallel replicas of
+/// the stage split over `tp` ranks.
 ///
-/// Ranks are laid out tensor-parallel-major, as in Megatron-LM: global rank
-/// `r = dp_rank * tp + tp_rank`, so the ranks of one tensor-parallel group are neighbours.
+/// Ranks are laid out as in Megatron-LM, tensor-parallel fastest, then data-parallel, then
+/// pipeline: global rank `r = (pp_rank * dp + dp_rank) * tp + tp_rank`. The ranks of one
+/// tensor-parallel group are neighbours, and with `pp == 1` the layout is the dp x tp grid.
 ///
 /// ```
 /// use kiln_memory::ModelShape;
@@ -16,6 +22,8 @@ use kiln_memory::ModelShape;
 /// let shape = ModelShape { n_layers: 2, d_model: 64, n_heads: 4, ctx: 32, vocab: 256 };
 /// let dims = ParallelDims::new(2, 2, 4, &shape)?;
 /// assert_eq!((dims.dp_rank(3), dims.tp_rank(3)), (1, 1));
+/// let dims = ParallelDims::with_pipeline(2, 2, 2, 8, &shape)?;
+/// assert_eq!((dims.pp_rank(5), dims.dp_rank(5), dims.tp_rank(5)), (1, 0, 1));
 /// let err = ParallelDims::new(2, 3, 6, &shape).unwrap_err().to_string();
 /// assert!(err.contains("tensor_parallel_degree (3) must divide n_heads (4)"));
 /// # Ok::<(), kiln_parallel::ParallelError>(())
@@ -26,25 +34,52 @@ pub struct ParallelDims {
     pub dp: usize,
     /// Tensor-parallel degree.
     pub tp: usize,
+    /// Pipeline-parallel degree (stages).
+    #[serde(default = "one")]
+    pub pp: usize,
 }
 
 impl ParallelDims {
-    /// Validates `dp x tp` against the world size and the model: both at least 1,
-    /// `dp * tp == world`, and `tp` divides the heads, the width, the MLP width and the
+    /// Validates `dp x tp` (one pipeline stage) against the world size and the model: both at
+    /// least 1, `dp * tp == world`, and `tp` divides the heads, the width, the MLP width and the
     /// vocabulary. Every failing factor is printed.
     pub fn new(dp: usize, tp: usize, world: usize, model: &ModelShape) -> Result<Self> {
+        Self::with_pipeline(dp, tp, 1, world, model)
+    }
+
+    /// Validates `dp x tp x pp` against the world size and the model: every degree at least 1,
+    /// `dp * tp * pp == world`, `tp` divides the heads, the width, the MLP width and the
+    /// vocabulary, and the model has at least one block per stage. Every failing factor is
+    /// printed.
+    pub fn with_pipeline(
+        dp: usize,
+        tp: usize,
+        pp: usize,
+        world: usize,
+        model: &ModelShape,
+    ) -> Result<Self> {
         let mut problems = Vec::new();
-        if dp == 0 {
-            problems.push("data_parallel_degree must be at least 1, got 0".to_string());
+        for (what, v) in [
+            ("data_parallel_degree", dp),
+            ("tensor_parallel_degree", tp),
+            ("pipeline_parallel_degree", pp),
+        ] {
+            if v == 0 {
+                problems.push(format!("{what} must be at least 1, got 0"));
+            }
         }
-        if tp == 0 {
-            problems.push("tensor_parallel_degree must be at least 1, got 0".to_string());
-        }
-        if dp * tp != world {
-            problems.push(format!(
-                "data_parallel_degree ({dp}) x tensor_parallel_degree ({tp}) = {} must equal the world size ({world})",
-                dp * tp
-            ));
+        if dp * tp * pp != world {
+            if pp == 1 {
+                problems.push(format!(
+                    "data_parallel_degree ({dp}) x tensor_parallel_degree ({tp}) = {} must equal the world size ({world})",
+                    dp * tp
+                ));
+            } else {
+                problems.push(format!(
+                    "data_parallel_degree ({dp}) x tensor_parallel_degree ({tp}) x pipeline_parallel_degree ({pp}) = {} must equal the world size ({world})",
+                    dp * tp * pp
+                ));
+            }
         }
         if tp > 0 {
             let t = tp as u64;
@@ -61,21 +96,32 @@ impl ParallelDims {
                 }
             }
         }
+        if pp as u64 > model.n_layers.max(1) {
+            problems.push(format!(
+                "pipeline_parallel_degree ({pp}) must not exceed n_layers ({}): every stage holds at least one block",
+                model.n_layers
+            ));
+        }
         if problems.is_empty() {
-            Ok(Self { dp, tp })
+            Ok(Self { dp, tp, pp })
         } else {
             Err(ParallelError::Config(problems.join("; ")))
         }
     }
 
-    /// The world size `dp * tp`.
+    /// The world size `dp * tp * pp`.
     pub fn world(&self) -> usize {
+        self.dp * self.tp * self.pp.max(1)
+    }
+
+    /// The ranks of one pipeline stage, `dp * tp`.
+    pub fn stage_world(&self) -> usize {
         self.dp * self.tp
     }
 
     /// The data-parallel index of global rank `rank`.
     pub fn dp_rank(&self, rank: usize) -> usize {
-        rank / self.tp.max(1)
+        (rank / self.tp.max(1)) % self.dp.max(1)
     }
 
     /// The tensor-parallel index of global rank `rank`.
@@ -83,12 +129,29 @@ impl ParallelDims {
         rank % self.tp.max(1)
     }
 
-    /// Splits the world communicator into this rank's data-parallel group (same `tp_rank`) and
-    /// tensor-parallel group (same `dp_rank`). Collective over `world`.
+    /// The pipeline stage of global rank `rank`.
+    pub fn pp_rank(&self, rank: usize) -> usize {
+        rank / self.stage_world().max(1)
+    }
+
+    /// The global rank at (`pp_rank`, `dp_rank`, `tp_rank`).
+    pub fn rank_of(&self, pp_rank: usize, dp_rank: usize, tp_rank: usize) -> usize {
+        (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    }
+
+    /// Splits the world communicator into this rank's data-parallel group (same stage and
+    /// `tp_rank`), tensor-parallel group (same stage and `dp_rank`), pipeline group (same
+    /// `dp_rank` and `tp_rank`, ordered by stage) and, for the first and the last stage, the
+    /// embedding group that sums the tied embedding's gradients. Collective over `world`.
     pub fn build_groups(&self, world: &dyn Communicator) -> Result<Groups> {
         if world.world_size() != self.world() {
+            let pp = if self.pp > 1 {
+                format!(" x pp ({})", self.pp)
+            } else {
+                String::new()
+            };
             return Err(ParallelError::Config(format!(
-                "the communicator has {} ranks but dp ({}) x tp ({}) = {}",
+                "the communicator has {} ranks but dp ({}) x tp ({}){pp} = {}",
                 world.world_size(),
                 self.dp,
                 self.tp,
@@ -96,18 +159,39 @@ impl ParallelDims {
             )));
         }
         let r = world.rank();
-        let dp = world.split(self.tp_rank(r) as u32, r as u32)?;
-        let tp = world.split(self.dp_rank(r) as u32, r as u32)?;
-        Ok(Groups { dp, tp })
+        let (p, d, t) = (self.pp_rank(r), self.dp_rank(r), self.tp_rank(r));
+        let dp = world.split((p * self.tp + t) as u32, r as u32)?;
+        let tp = world.split((p * self.dp + d) as u32, r as u32)?;
+        let pp = world.split((d * self.tp + t) as u32, r as u32)?;
+        // the first and the last stage of each pipeline; every other rank alone
+        let ends = p == 0 || p + 1 == self.pp;
+        let colour = if ends {
+            (d * self.tp + t) as u32
+        } else {
+            (self.stage_world() + r) as u32
+        };
+        let embedding = world.split(colour, r as u32)?;
+        let embedding = (ends && self.pp > 1).then_some(embedding);
+        Ok(Groups {
+            dp,
+            tp,
+            pp,
+            embedding,
+        })
     }
 }
 
 /// This rank's sub-communicators.
 pub struct Groups {
-    /// The data-parallel group: ranks holding the same tensor-parallel shard.
+    /// The data-parallel group: ranks of the same stage holding the same tensor-parallel shard.
     pub dp: Box<dyn Communicator>,
-    /// The tensor-parallel group: ranks sharing one model replica.
+    /// The tensor-parallel group: ranks sharing one stage of one model replica.
     pub tp: Box<dyn Communicator>,
+    /// The pipeline group: the stages of one model replica, group rank = stage.
+    pub pp: Box<dyn Communicator>,
+    /// On the first and the last stage when `pp > 1`: the two ranks holding the tied
+    /// embedding (the first stage's and the last stage's copy), group rank 0 the first stage.
+    pub embedding: Option<Box<dyn Communicator>>,
 }
 
 impl std::fmt::Debug for Groups {
@@ -115,6 +199,11 @@ impl std::fmt::Debug for Groups {
         f.debug_struct("Groups")
             .field("dp", &(self.dp.rank(), self.dp.world_size()))
             .field("tp", &(self.tp.rank(), self.tp.world_size()))
+            .field("pp", &(self.pp.rank(), self.pp.world_size()))
+            .field(
+                "embedding",
+                &self.embedding.as_ref().map(|e| (e.rank(), e.world_size())),
+            )
             .finish()
     }
 }
@@ -181,5 +270,101 @@ mod tests {
             out,
             vec![(0, 0, 1, 2), (0, 1, 1, 4), (1, 0, 5, 2), (1, 1, 5, 4)]
         );
+    }
+
+    #[test]
+    fn pipeline_factors_are_named() {
+        let e = ParallelDims::with_pipeline(2, 2, 3, 8, &shape())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("data_parallel_degree (2) x tensor_parallel_degree (2) x pipeline_parallel_degree (3) = 12 must equal the world size (8)"),
+            "{e}"
+        );
+        assert!(
+            e.contains("pipeline_parallel_degree (3) must not exceed n_layers (2)"),
+            "{e}"
+        );
+        let e = ParallelDims::with_pipeline(1, 1, 0, 1, &shape())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("pipeline_parallel_degree must be at least 1, got 0"),
+            "{e}"
+        );
+        let d = ParallelDims::with_pipeline(2, 2, 2, 8, &shape()).unwrap();
+        for r in 0..8 {
+            assert_eq!(d.rank_of(d.pp_rank(r), d.dp_rank(r), d.tp_rank(r)), r);
+        }
+        assert_eq!(
+            (0..8).map(|r| d.pp_rank(r)).collect::<Vec<_>>(),
+            [0, 0, 0, 0, 1, 1, 1, 1]
+        );
+        assert_eq!(
+            (0..8).map(|r| d.dp_rank(r)).collect::<Vec<_>>(),
+            [0, 0, 1, 1, 0, 0, 1, 1]
+        );
+        // pp = 1 is the dp x tp grid
+        let flat = ParallelDims::new(2, 2, 4, &shape()).unwrap();
+        assert_eq!(flat.pp, 1);
+        assert_eq!(
+            (flat.dp_rank(3), flat.tp_rank(3), flat.pp_rank(3)),
+            (1, 1, 0)
+        );
+    }
+
+    #[test]
+    fn pipeline_groups_follow_the_megatron_layout() {
+        let s = ModelShape {
+            vocab: 256,
+            n_layers: 4,
+            ..shape()
+        };
+        // dp 2 x tp 2 x pp 2 and dp 1 x tp 1 x pp 4: each group's members, seen through the sum
+        // of their global ranks, and the embedding group on the first and last stage only
+        for (dp, tp, pp) in [(2usize, 2usize, 2usize), (1, 1, 4), (2, 1, 3)] {
+            let world = dp * tp * pp;
+            let out = kiln_testkit::run_ranks(world, |comm| {
+                let dims = ParallelDims::with_pipeline(dp, tp, pp, world, &s)?;
+                let g = dims.build_groups(&comm)?;
+                use kiln_comm::{CommExt, ReduceOp};
+                let r = comm.rank() as u32;
+                let sums = (
+                    g.dp.all_reduce_scalar(r, ReduceOp::Sum)?,
+                    g.tp.all_reduce_scalar(r, ReduceOp::Sum)?,
+                    g.pp.all_reduce_scalar(r, ReduceOp::Sum)?,
+                );
+                let emb = match &g.embedding {
+                    Some(e) => Some((e.rank(), e.all_reduce_scalar(r, ReduceOp::Sum)?)),
+                    None => None,
+                };
+                Ok((g.pp.rank(), g.pp.world_size(), sums, emb))
+            });
+            let dims = ParallelDims::with_pipeline(dp, tp, pp, world, &s).unwrap();
+            for (r, (pp_rank, pp_size, (dps, tps, pps), emb)) in out.into_iter().enumerate() {
+                let (p, d, t) = (dims.pp_rank(r), dims.dp_rank(r), dims.tp_rank(r));
+                assert_eq!((pp_rank, pp_size), (p, pp), "rank {r}");
+                let sum = |it: &mut dyn Iterator<Item = usize>| it.map(|x| x as u32).sum::<u32>();
+                assert_eq!(
+                    dps,
+                    sum(&mut (0..dp).map(|x| dims.rank_of(p, x, t))),
+                    "dp of {r}"
+                );
+                assert_eq!(
+                    tps,
+                    sum(&mut (0..tp).map(|x| dims.rank_of(p, d, x))),
+                    "tp of {r}"
+                );
+                assert_eq!(
+                    pps,
+                    sum(&mut (0..pp).map(|x| dims.rank_of(x, d, t))),
+                    "pp of {r}"
+                );
+                let first = dims.rank_of(0, d, t) as u32;
+                let last = dims.rank_of(pp - 1, d, t) as u32;
+                let expected = (p == 0 || p + 1 == pp).then(|| (usize::from(p != 0), first + last));
+                assert_eq!(emb, expected, "embedding group of {r}");
+            }
+        }
     }
 }

@@ -780,7 +780,7 @@ fn staged_state_is_the_live_state_at_the_copy() {
     use std::sync::Arc;
     for tp in [1usize, 2] {
         let outs = run_ranks(2 * tp, |world: ThreadComm| {
-            let dims = ParallelDims { dp: 2, tp };
+            let dims = ParallelDims { dp: 2, tp, pp: 1 };
             let groups = dims.build_groups(&world)?;
             let dp_comm: Arc<dyn Communicator> = Arc::from(groups.dp);
             let per = BATCH / 2;
