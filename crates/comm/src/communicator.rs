@@ -176,7 +176,7 @@ pub struct Capabilities {
     /// on every backend with this property and at every world size.
     pub rank_ordered: bool,
     /// Ranks that call different collectives get [`crate::CommError::Mismatch`] rather than
-    /// undefined results.
+    /// undefined results, and a receive checks the tag, dtype and length of its message.
     pub detects_mismatch: bool,
 }
 

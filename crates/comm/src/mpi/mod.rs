@@ -28,6 +28,9 @@
 //!    Peers on the same host are watched through `/proc`: a peer process that exited fails the
 //!    wait with [`CommError::RankGone`] within about 50 ms.
 //!
+//! Point-to-point messages (`send_buf`, `recv_buf`, `p2p_batch`) are in `mpi/p2p.rs`: an
+//! `MPI_Isend` of an owned copy (eager at any size), a checked receive through staging.
+//!
 //! A collective that failed while requests were in flight (timeout, exited peer, MPI error)
 //! leaves the communicator unusable: MPI cannot cancel a collective, so its staging memory is
 //! leaked rather than freed under MPI's feet, and every later call returns the original error.
@@ -131,7 +134,8 @@ pub(super) struct State {
 /// One rank's handle on a group of MPI processes. See the module docs for the protocol.
 ///
 /// Create the world's with [`Mpi::world`] and groups with [`Communicator::split`]
-/// (`MPI_Comm_split`). Each communicator runs one collective at a time; use one per thread
+/// (`MPI_Comm_split`). Each communicator runs one collective (or point-to-point batch) at a
+/// time; use one per thread
 /// (split it) for concurrent work, as kiln's data-parallel engine and checkpoint writer do.
 #[derive(Debug)]
 pub struct MpiComm {
