@@ -34,9 +34,9 @@ pub(crate) fn check_calls(calls: &[Call]) -> Option<CommError> {
         return Some(CommError::Mismatch {
             rank: 0,
             first_rank: 0,
-            first,
+            first: Box::new(first),
             second_rank: k,
-            second: c.desc,
+            second: Box::new(c.desc),
         });
     }
     for (r, c) in calls.iter().enumerate() {

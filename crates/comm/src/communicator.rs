@@ -1,13 +1,15 @@
-//! The `Communicator` trait every backend implements, the descriptors that collectives carry,
-//! and the chunking rule for uneven `reduce_scatter` / `all_gather`.
+//! The `Communicator` trait every backend implements, the descriptors that collectives and
+//! point-to-point messages carry, and the chunking rule for uneven `reduce_scatter` /
+//! `all_gather`.
 
 use crate::elem::{Buf, BufMut, CommElem, DType, ReduceOp};
 use crate::error::Result;
+pub use crate::p2p::P2pOp;
 pub use kiln_state::chunk_range;
 use std::fmt;
 use std::time::Duration;
 
-/// Which collective a rank called.
+/// Which collective (or point-to-point operation) a rank called.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum OpKind {
@@ -23,6 +25,10 @@ pub enum OpKind {
     Barrier,
     /// [`Communicator::split`].
     Split,
+    /// [`Communicator::send_buf`] (also a send of [`Communicator::p2p_batch`]).
+    Send,
+    /// [`Communicator::recv_buf`] (also a receive of [`Communicator::p2p_batch`]).
+    Recv,
 }
 
 impl OpKind {
@@ -35,6 +41,8 @@ impl OpKind {
             OpKind::Broadcast => "broadcast",
             OpKind::Barrier => "barrier",
             OpKind::Split => "split",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
         }
     }
 }
@@ -47,9 +55,15 @@ impl fmt::Display for OpKind {
 
 /// What one rank asked of a collective: every rank of a group must present a matching
 /// descriptor, or all of them get [`crate::CommError::Mismatch`].
+///
+/// A point-to-point message carries one too ([`OpKind::Send`] on the sender's side,
+/// [`OpKind::Recv`] on the receiver's): the receiver compares its tag, dtype and length with the
+/// sender's ([`Descriptor::p2p_matches`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Descriptor {
-    /// Sequence number of this collective on this communicator (0 for the first call).
+    /// Sequence number of this collective on this communicator (0 for the first call); for a
+    /// send or receive, the number of the message between the two ranks (0 for the first message
+    /// from one rank to the other).
     pub seq: u64,
     /// The collective.
     pub op: OpKind,
@@ -62,6 +76,10 @@ pub struct Descriptor {
     pub reduce: Option<ReduceOp>,
     /// The root rank, for broadcast.
     pub root: Option<usize>,
+    /// The other rank of a send (its destination) or a receive (its source).
+    pub peer: Option<usize>,
+    /// The tag of a send or receive.
+    pub tag: Option<u32>,
 }
 
 impl Descriptor {
@@ -81,6 +99,30 @@ impl Descriptor {
             len,
             reduce,
             root,
+            peer: None,
+            tag: None,
+        }
+    }
+
+    /// The descriptor of message number `seq` of a send ([`OpKind::Send`], `peer` the
+    /// destination) or receive ([`OpKind::Recv`], `peer` the source).
+    pub fn p2p(
+        seq: u64,
+        op: OpKind,
+        dtype: DType,
+        len: usize,
+        peer: usize,
+        tag: u32,
+    ) -> Descriptor {
+        Descriptor {
+            seq,
+            op,
+            dtype: Some(dtype),
+            len,
+            reduce: None,
+            root: None,
+            peer: Some(peer),
+            tag: Some(tag),
         }
     }
 
@@ -88,10 +130,24 @@ impl Descriptor {
     pub fn matches(&self, other: &Descriptor) -> bool {
         self == other
     }
+
+    /// True when a receive (`self`) and the message a sender presented (`sent`) agree: the same
+    /// tag, dtype and length.
+    pub fn p2p_matches(&self, sent: &Descriptor) -> bool {
+        (self.tag, self.dtype, self.len) == (sent.tag, sent.dtype, sent.len)
+    }
 }
 
 impl fmt::Display for Descriptor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(tag) = self.tag {
+            // a send or receive: the peer is named by the message around it
+            write!(f, "{}(tag {tag}", self.op)?;
+            if let Some(d) = self.dtype {
+                write!(f, ", {d}, len {}", self.len)?;
+            }
+            return f.write_str(")");
+        }
         write!(f, "{}(seq {}", self.op, self.seq)?;
         if let Some(d) = self.dtype {
             write!(f, ", {d}, len {}", self.len)?;
@@ -120,7 +176,7 @@ pub struct Capabilities {
     /// on every backend with this property and at every world size.
     pub rank_ordered: bool,
     /// Ranks that call different collectives get [`crate::CommError::Mismatch`] rather than
-    /// undefined results.
+    /// undefined results, and a receive checks the tag, dtype and length of its message.
     pub detects_mismatch: bool,
 }
 
@@ -149,6 +205,26 @@ impl Capabilities {
 ///   and fails early with [`crate::CommError::RankGone`] when a rank it waits for has exited;
 /// - reductions are deterministic: the same inputs give bitwise the same output on every rank
 ///   and in every run; f16 and bf16 accumulate in f32.
+///
+/// Point-to-point messages ([`Communicator::send_buf`], [`Communicator::recv_buf`],
+/// [`Communicator::p2p_batch`]), as pipeline stages exchange activations and gradients:
+/// - a send is *eager*: it returns once the data is copied out of the caller's buffer and never
+///   waits for the receiver to post its receive. Two neighbours that both send first and receive
+///   second do not deadlock, whatever the size. (NCCL is the exception: its sends complete with
+///   their receives, so there only [`Communicator::p2p_batch`] avoids the deadlock.)
+/// - a receive blocks until the message has arrived;
+/// - messages from one rank to another arrive in the order they were sent: one FIFO per ordered
+///   pair of ranks, apart from the collectives' own traffic;
+/// - the tag is an agreement check, not a selector: a receive takes the next message from its
+///   peer and compares the sender's tag, dtype and length with its own; any difference is
+///   [`crate::CommError::Mismatch`] on the receiver, naming both ranks and both descriptors
+///   (`rank 1 expected recv(tag 7, f32, len 64) from rank 0, rank 0 sent send(tag 8, f32,
+///   len 64)`). The mismatched message is consumed: the next receive takes the one after it;
+/// - a receive that waits past [`Communicator::timeout`] is [`crate::CommError::Timeout`]
+///   naming the peer; a peer that has exited is [`crate::CommError::RankGone`] naming it, on a
+///   receive once every message it sent before leaving has been taken, and on a send at once;
+/// - a send or receive to this rank itself, or to a rank outside the group, is
+///   [`crate::CommError::BadPeer`].
 pub trait Communicator: Send + Sync {
     /// This rank's index in the group, `0..world_size()`.
     fn rank(&self) -> usize;
@@ -176,6 +252,23 @@ pub trait Communicator: Send + Sync {
     /// Splits the group: ranks passing the same `color` form a new group, ordered by `key` then
     /// by their rank here (MPI's `MPI_Comm_split`). Collective over this group.
     fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>>;
+    /// Sends `buf` to rank `peer` of this group, labelled `tag`. Eager: returns once the data is
+    /// copied out (see the trait docs for the guarantees).
+    fn send_buf(&self, buf: Buf<'_>, peer: usize, tag: u32) -> Result<()> {
+        self.p2p_batch(&mut [P2pOp::Send { buf, peer, tag }])
+    }
+    /// Receives the next message from rank `peer` into `buf`, which must agree with what the
+    /// sender presented (tag, dtype, length) or the call is [`crate::CommError::Mismatch`].
+    fn recv_buf(&self, buf: BufMut<'_>, peer: usize, tag: u32) -> Result<()> {
+        self.p2p_batch(&mut [P2pOp::Recv { buf, peer, tag }])
+    }
+    /// Posts every send and receive of `ops` before waiting for any of them (torch's
+    /// `batch_isend_irecv`), so that neighbours exchanging in any order never deadlock, on every
+    /// backend. Receives from the same peer take its messages in the order they are listed.
+    /// Every operation's peer is checked before any is posted. An error stops the batch
+    /// (operations that completed before it stay done); the backends' [`Communicator::send_buf`]
+    /// and [`Communicator::recv_buf`] are batches of one.
+    fn p2p_batch(&self, ops: &mut [P2pOp<'_>]) -> Result<()>;
     /// What this backend can do ([`Capabilities::HOST`] unless it says otherwise).
     fn capabilities(&self) -> Capabilities {
         Capabilities::HOST
@@ -230,6 +323,15 @@ macro_rules! forward_communicator {
             fn split(&self, color: u32, key: u32) -> Result<Box<dyn Communicator>> {
                 (**self).split(color, key)
             }
+            fn send_buf(&self, buf: Buf<'_>, peer: usize, tag: u32) -> Result<()> {
+                (**self).send_buf(buf, peer, tag)
+            }
+            fn recv_buf(&self, buf: BufMut<'_>, peer: usize, tag: u32) -> Result<()> {
+                (**self).recv_buf(buf, peer, tag)
+            }
+            fn p2p_batch(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+                (**self).p2p_batch(ops)
+            }
             fn capabilities(&self) -> Capabilities {
                 (**self).capabilities()
             }
@@ -282,6 +384,15 @@ pub trait CommExt: Communicator {
         self.all_reduce_buf(T::buf_mut(&mut v), op)?;
         Ok(v[0])
     }
+    /// Sends a typed slice to rank `peer` (eager; see [`Communicator::send_buf`]).
+    fn send<T: CommElem>(&self, buf: &[T], peer: usize, tag: u32) -> Result<()> {
+        self.send_buf(T::buf(buf), peer, tag)
+    }
+    /// Receives the next message from rank `peer` into a typed slice (see
+    /// [`Communicator::recv_buf`]).
+    fn recv<T: CommElem>(&self, buf: &mut [T], peer: usize, tag: u32) -> Result<()> {
+        self.recv_buf(T::buf_mut(buf), peer, tag)
+    }
     /// The range of a buffer of `len` elements that this rank owns under [`chunk_range`].
     fn my_chunk(&self, len: usize) -> std::ops::Range<usize> {
         chunk_range(len, self.world_size(), self.rank())
@@ -319,7 +430,16 @@ mod tests {
             len: 7,
             reduce: Some(ReduceOp::Sum),
             root: None,
+            peer: None,
+            tag: None,
         };
         assert_eq!(d.to_string(), "all_reduce(seq 3, f32, len 7, sum)");
+        let s = Descriptor::p2p(5, OpKind::Send, DType::BF16, 64, 2, 8);
+        assert_eq!(s.to_string(), "send(tag 8, bf16, len 64)");
+        let r = Descriptor::p2p(5, OpKind::Recv, DType::BF16, 64, 0, 8);
+        assert!(r.p2p_matches(&s));
+        assert!(!r.p2p_matches(&Descriptor::p2p(5, OpKind::Send, DType::F16, 64, 2, 8)));
+        assert!(!r.p2p_matches(&Descriptor::p2p(5, OpKind::Send, DType::BF16, 63, 2, 8)));
+        assert!(!r.p2p_matches(&Descriptor::p2p(5, OpKind::Send, DType::BF16, 64, 2, 9)));
     }
 }

@@ -3,6 +3,9 @@
 //! - [`Communicator`]: `rank`, `world_size`, `all_reduce`, `reduce_scatter`, `all_gather`,
 //!   `broadcast`, `barrier` and `split` into sub-groups, object safe; the typed helpers live in
 //!   [`CommExt`] (`all_reduce(&mut [f32], ReduceOp::Sum)`).
+//! - Point-to-point messages for pipeline stages: `send_buf` / `recv_buf` (typed: `send`,
+//!   `recv`) and [`Communicator::p2p_batch`] of [`P2pOp`]s; sends are eager, messages between
+//!   two ranks arrive in order, and a receive checks the sender's tag, dtype and length.
 //! - [`ThreadComm`]: the ranks are threads of one process exchanging through shared memory; the
 //!   embedded default on which every kiln test and example runs. [`spawn`] runs a closure on N
 //!   ranks.
@@ -48,12 +51,15 @@ mod error;
 mod mpi;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod p2p;
 mod thread;
 #[cfg(any(feature = "mpi", test))]
 mod wire;
 
 pub use backend::Backend;
-pub use communicator::{chunk_range, Capabilities, CommExt, Communicator, Descriptor, OpKind};
+pub use communicator::{
+    chunk_range, Capabilities, CommExt, Communicator, Descriptor, OpKind, P2pOp,
+};
 pub use elem::{Buf, BufMut, CommElem, DType, ReduceOp};
 pub use error::{CommError, Result};
 #[cfg(feature = "mpi")]

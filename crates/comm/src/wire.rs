@@ -1,4 +1,5 @@
-//! The fixed-size wire form of a [`Call`], for backends that exchange calls between processes.
+//! The fixed-size wire forms of a [`Call`] and of a point-to-point message's header, for
+//! backends that exchange them between processes.
 
 use crate::check::Call;
 use crate::communicator::{Descriptor, OpKind};
@@ -17,6 +18,8 @@ fn op_code(op: OpKind) -> u64 {
         OpKind::Broadcast => 3,
         OpKind::Barrier => 4,
         OpKind::Split => 5,
+        OpKind::Send => 6,
+        OpKind::Recv => 7,
     }
 }
 
@@ -28,6 +31,8 @@ fn op_of(code: u64) -> Option<OpKind> {
         3 => OpKind::Broadcast,
         4 => OpKind::Barrier,
         5 => OpKind::Split,
+        6 => OpKind::Send,
+        7 => OpKind::Recv,
         _ => return None,
     })
 }
@@ -89,11 +94,46 @@ impl Call {
                 len: usize::try_from(w[3]).ok()?,
                 reduce: of_code(&REDUCES, w[4]),
                 root: (w[5] != NONE).then(|| usize::try_from(w[5]).ok()).flatten(),
+                peer: None,
+                tag: None,
             },
             chunk_len: usize::try_from(w[6]).ok()?,
             dtype_fault: fault,
             split: (u32::try_from(w[8]).ok()?, u32::try_from(w[9]).ok()?),
         })
+    }
+}
+
+/// Words of a point-to-point header.
+pub(crate) const HEADER_WORDS: usize = 5;
+
+/// The first word of every header, so that a message that is not kiln's is recognised.
+const HEADER_MAGIC: u64 = 0x6b69_6c6e_7032_7031;
+
+/// Encodes what a sender presents with its message: message number, dtype, length and tag.
+pub(crate) fn p2p_header(sent: &Descriptor) -> [u64; HEADER_WORDS] {
+    [
+        HEADER_MAGIC,
+        sent.seq,
+        code_of(&DTYPES, sent.dtype),
+        sent.len as u64,
+        sent.tag.map_or(NONE, u64::from),
+    ]
+}
+
+/// Decodes [`p2p_header`] as the descriptor of a send to rank `dest`; `None` when the words are
+/// not a header.
+pub(crate) fn p2p_from_header(w: &[u64], dest: usize) -> Option<Descriptor> {
+    match *w {
+        [HEADER_MAGIC, seq, dtype, len, tag] => Some(Descriptor::p2p(
+            seq,
+            OpKind::Send,
+            of_code(&DTYPES, dtype)?,
+            usize::try_from(len).ok()?,
+            dest,
+            u32::try_from(tag).ok()?,
+        )),
+        _ => None,
     }
 }
 
@@ -117,5 +157,12 @@ mod tests {
         let mut bad = b.to_wire();
         bad[1] = 17;
         assert_eq!(Call::from_wire(&bad), None);
+        let sent = Descriptor::p2p(41, OpKind::Send, DType::I64, 1 << 33, 3, u32::MAX);
+        let h = p2p_header(&sent);
+        assert_eq!(p2p_from_header(&h, 3), Some(sent));
+        assert_eq!(p2p_from_header(&h[1..], 3), None);
+        let mut bad = h;
+        bad[0] ^= 1;
+        assert_eq!(p2p_from_header(&bad, 3), None);
     }
 }

@@ -1,6 +1,7 @@
 //! Every collective of the thread backend against a sequential reference, for worlds 1, 2, 3,
 //! 4, 8 and lengths 0, 1, 7 and 1M, in every element type (the suite in `common/suite.rs`,
-//! which the MPI backend runs too).
+//! which the MPI backend runs too), and point-to-point messages (ring shifts in every element
+//! type, eager sends, order).
 #![allow(clippy::panic)]
 
 mod common;
@@ -91,4 +92,9 @@ fn split_builds_dp_and_tp_groups() {
 #[test]
 fn many_small_collectives_in_a_row() {
     suite::check_many_small(&Threads(vec![4]));
+}
+
+#[test]
+fn point_to_point_rings_eager_sends_and_order() {
+    suite::check_p2p(&Threads(vec![2, 3, 4, 8]));
 }

@@ -289,3 +289,210 @@ fn dtype_mismatch_between_input_and_output_is_reported_to_all() {
         assert!(matches!(e, CommError::DtypeMismatch { .. }), "{e:?}");
     }
 }
+
+// ------------------------------------------------------------------ point-to-point
+
+/// Runs `f` on 2 ranks with a `secs` timeout; every rank's result (errors as values).
+fn p2p_pair<F>(secs: f64, f: F) -> Vec<Result<(), CommError>>
+where
+    F: Fn(&ThreadComm) -> Result<(), CommError> + Sync,
+{
+    spawn_with(cfg(secs), 2, |comm| Ok::<_, CommError>(f(&comm))).expect("ranks")
+}
+
+#[test]
+fn a_mismatched_tag_names_both_ranks_and_both_messages() {
+    let t0 = Instant::now();
+    let out = p2p_pair(30.0, |comm| {
+        if comm.rank() == 0 {
+            comm.send(&[1.5f32; 64], 1, 8)?;
+            comm.send(&[2.5f32; 3], 1, 9)
+        } else {
+            let mut v = [0.0f32; 64];
+            let err = comm.recv(&mut v, 0, 7).expect_err("the tags differ");
+            assert_eq!(
+                err.to_string(),
+                "rank 1 expected recv(tag 7, f32, len 64) from rank 0, rank 0 sent send(tag 8, \
+                 f32, len 64)"
+            );
+            match err {
+                CommError::Mismatch {
+                    rank: 1,
+                    first_rank: 1,
+                    first,
+                    second_rank: 0,
+                    second,
+                } => {
+                    assert_eq!(
+                        (first.op, first.tag, first.peer),
+                        (OpKind::Recv, Some(7), Some(0))
+                    );
+                    assert_eq!(
+                        (second.op, second.tag, second.peer),
+                        (OpKind::Send, Some(8), Some(1))
+                    );
+                }
+                other => panic!("expected a mismatch, got {other:?}"),
+            }
+            assert_eq!(v, [0.0; 64], "a mismatched message is never copied");
+            // the mismatched message was consumed: the next one arrives intact
+            let mut w = [0.0f32; 3];
+            comm.recv(&mut w, 0, 9)?;
+            assert_eq!(w, [2.5; 3]);
+            Ok(())
+        }
+    });
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+}
+
+#[test]
+fn a_wrong_length_or_dtype_is_a_mismatch() {
+    let out = p2p_pair(30.0, |comm| {
+        if comm.rank() == 0 {
+            comm.send(&[1.0f32; 64], 1, 7)?;
+            comm.send(&[1.0f32; 64], 1, 7)
+        } else {
+            let e = comm.recv(&mut [0.0f32; 63], 0, 7).expect_err("length");
+            assert_eq!(
+                e.to_string(),
+                "rank 1 expected recv(tag 7, f32, len 63) from rank 0, rank 0 sent send(tag 7, \
+                 f32, len 64)"
+            );
+            let e = comm
+                .recv(&mut [half::bf16::ZERO; 64], 0, 7)
+                .expect_err("dtype");
+            assert_eq!(
+                e.to_string(),
+                "rank 1 expected recv(tag 7, bf16, len 64) from rank 0, rank 0 sent send(tag 7, \
+                 f32, len 64)"
+            );
+            Ok(())
+        }
+    });
+    assert!(out.iter().all(Result::is_ok), "{out:?}");
+}
+
+#[test]
+fn a_receive_nobody_sends_times_out_naming_the_peer() {
+    let t0 = Instant::now();
+    let out = p2p_pair(0.5, |comm| {
+        if comm.rank() == 0 {
+            // stay alive past the peer's timeout, so that it is a timeout and not RankGone
+            std::thread::sleep(Duration::from_millis(1500));
+            return Ok(());
+        }
+        let mut v = [0u32; 4];
+        comm.recv(&mut v, 0, 1)
+    });
+    match &out[1] {
+        Err(
+            e @ CommError::Timeout {
+                op: OpKind::Recv,
+                rank: 1,
+                waited,
+                missing,
+            },
+        ) => {
+            assert_eq!(missing, &vec![0]);
+            assert!(*waited >= Duration::from_millis(500));
+            assert!(e.to_string().ends_with("no message from rank 0"), "{e}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn a_peer_that_exits_is_rank_gone_after_its_messages_are_taken() {
+    let t0 = Instant::now();
+    let out = spawn_with(cfg(120.0), 3, |comm| {
+        match comm.rank() {
+            // sends one message, then exits (its handle drops) while rank 1 waits for another
+            2 => comm.send(&[7i64; 5], 1, 0).map(|_| None),
+            1 => {
+                let mut v = [0i64; 5];
+                comm.recv(&mut v, 2, 0)?;
+                assert_eq!(v, [7; 5]);
+                Ok(Some(comm.recv(&mut v, 2, 1)))
+            }
+            // rank 0 takes no part
+            _ => Ok(None),
+        }
+    })
+    .expect("ranks");
+    match &out[1] {
+        Some(Err(
+            e @ CommError::RankGone {
+                op: OpKind::Recv,
+                rank: 1,
+                gone: 2,
+                ..
+            },
+        )) => assert!(e.to_string().contains("rank 2 has exited"), "{e}"),
+        other => panic!("expected RankGone, got {other:?}"),
+    }
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    // a panicking peer too, and a send to an exited peer fails at once
+    let res = spawn_with(cfg(120.0), 2, |comm| -> Result<(), CommError> {
+        if comm.rank() == 0 {
+            panic!("injected fault on rank 0");
+        }
+        let e = comm
+            .recv(&mut [0.0f32; 2], 0, 0)
+            .expect_err("rank 0 panicked");
+        assert!(matches!(e, CommError::RankGone { gone: 0, .. }), "{e:?}");
+        let e = comm.send(&[0.0f32; 2], 0, 0).expect_err("rank 0 is gone");
+        assert!(
+            matches!(
+                e,
+                CommError::RankGone {
+                    op: OpKind::Send,
+                    gone: 0,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        Ok(())
+    });
+    assert_eq!(
+        res.expect_err("rank 0 panicked").also_failed,
+        Vec::<usize>::new()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(20));
+}
+
+#[test]
+fn sends_to_self_or_outside_the_group_are_refused() {
+    let out = spawn_with(cfg(30.0), 3, |comm| {
+        let me = comm.rank();
+        let a = comm.send(&[1.0f32], me, 0).expect_err("self");
+        let b = comm.recv(&mut [1.0f32], 3, 0).expect_err("outside");
+        let c = comm
+            .p2p_batch(&mut [
+                kiln_comm::P2pOp::send(&[1.0f32], (me + 1) % 3, 0),
+                kiln_comm::P2pOp::send(&[1.0f32], 9, 0),
+            ])
+            .expect_err("one bad peer refuses the whole batch");
+        Ok::<_, CommError>((a, b, c))
+    })
+    .expect("ranks");
+    for (r, (a, b, c)) in out.iter().enumerate() {
+        assert!(
+            matches!(a, CommError::BadPeer { op: OpKind::Send, peer, world: 3, .. } if *peer == r)
+        );
+        assert_eq!(
+            a.to_string(),
+            format!(
+                "send on rank {r}: peer {r} is this rank itself (a group of 3); a rank cannot \
+                 send to or receive from itself"
+            )
+        );
+        assert_eq!(
+            b.to_string(),
+            format!("recv on rank {r}: peer 3 is not a rank of a group of 3 (ranks 0..3)")
+        );
+        assert!(matches!(c, CommError::BadPeer { peer: 9, .. }), "{c:?}");
+    }
+}

@@ -1,7 +1,8 @@
-//! The MPI backend under real `mpirun`: the collective suite of the thread backend (bitwise
-//! against the same sequential references) on 1, 2, 3 and 4 processes, and the fault paths (a
-//! rank that exits or is SIGKILLed mid-collective, a rank that stalls past the timeout,
-//! mismatched calls).
+//! The MPI backend under real `mpirun`: the collective and point-to-point suite of the thread
+//! backend (bitwise against the same sequential references) on 1, 2, 3 and 4 processes, and the
+//! fault paths (a rank that exits or is SIGKILLed mid-collective or while a peer waits for its
+//! message, a rank that stalls past the timeout, mismatched calls and messages, a receive
+//! nobody sends).
 //!
 //! Run with `cargo test -p kiln-comm --features mpi --release --test mpi`. Without
 //! `KILN_MPI_TEST` set this binary is the driver: it launches itself under `mpirun` once per
@@ -101,6 +102,49 @@ fn driver() {
         run.output()
     );
     assert!(!run.success(), "stall: the job must fail: {}", run.output());
+
+    // Point-to-point: mismatched tag, length and dtype are mismatches naming both ranks, and a
+    // receive nobody sends times out at 2 s naming the peer.
+    let t = Instant::now();
+    let run = launch(2, "p2p_mismatch", Duration::from_secs(120));
+    assert_eq!(said(&run, "p2p_mismatch ok"), vec![1], "{}", run.output());
+    assert_eq!(
+        said(&run, "p2p_timeout missing=[0]"),
+        vec![1],
+        "{}",
+        run.output()
+    );
+    assert!(t.elapsed() < Duration::from_secs(30), "{}", run.output());
+    for line in run.output().lines().filter(|l| l.contains("rank 1: text:")) {
+        println!("  {line}");
+    }
+    // A peer that exits, or is SIGKILLed, while two ranks wait for its next message.
+    for role in ["p2p_exit", "p2p_kill"] {
+        let run = launch(3, role, Duration::from_secs(120));
+        assert_eq!(
+            said(&run, "p2p_gone gone=2"),
+            vec![0, 1],
+            "{role}: {}",
+            run.output()
+        );
+        assert!(
+            !run.success(),
+            "{role}: the job must fail: {}",
+            run.output()
+        );
+        assert!(
+            run.elapsed < Duration::from_secs(30),
+            "{role}: {}",
+            run.output()
+        );
+        for line in run
+            .output()
+            .lines()
+            .filter(|l| l.contains("p2p_gone") || l.contains("text:"))
+        {
+            println!("  {role}: {line}");
+        }
+    }
     println!("kiln-comm MPI tests: all passed");
 }
 
@@ -121,7 +165,11 @@ impl Ranks for MpiRanks<'_> {
 
 fn worker(role: &str) {
     let mpi = Mpi::init().expect("MPI_Init_thread");
-    let timeout = if role == "stall" { 2.0 } else { 60.0 };
+    let timeout = if role == "stall" || role == "p2p_mismatch" {
+        2.0
+    } else {
+        60.0
+    };
     let mut config = MpiCommConfig::with_timeout(Duration::from_secs_f64(timeout));
     if let Ok(b) = std::env::var("KILN_TEST_STAGE_BYTES") {
         config.stage_bytes = b.parse().expect("KILN_TEST_STAGE_BYTES");
@@ -135,9 +183,12 @@ fn worker(role: &str) {
             suite::check_nan_max(&ranks);
             suite::check_split(&ranks);
             suite::check_many_small(&ranks);
+            suite::check_p2p(&ranks);
             println!("rank {me}: suite ok");
         }
         "mismatch" => mismatch(&world),
+        "p2p_mismatch" => p2p_mismatch(&world),
+        "p2p_exit" | "p2p_kill" => p2p_gone(&world, role == "p2p_kill"),
         "exit" | "kill" => {
             if me == 2 {
                 std::thread::sleep(Duration::from_millis(300));
@@ -251,4 +302,101 @@ fn mismatch(world: &MpiComm) {
         .expect("usable after mismatches");
     assert_eq!(v, [3.0; 5]);
     println!("rank {me}: mismatch ok");
+}
+
+/// Rank 0 sends four messages; rank 1 receives them with a wrong tag, length and dtype, then
+/// right, and then waits for a fifth that never comes.
+fn p2p_mismatch(world: &MpiComm) {
+    let me = world.rank();
+    let data: Vec<f32> = (0..64).map(|i| i as f32 * 0.25 - 3.0).collect();
+    if me == 0 {
+        world.send(&data, 1, 8).unwrap();
+        world.send(&data, 1, 7).unwrap();
+        world.send(&data, 1, 7).unwrap();
+        world.send(&data, 1, 9).unwrap();
+        // alive past rank 1's timeout, so that it times out rather than seeing this rank exit
+        std::thread::sleep(Duration::from_secs(5));
+        std::process::exit(0);
+    }
+    let t = Instant::now();
+    let want = [
+        "rank 1 expected recv(tag 7, f32, len 64) from rank 0, rank 0 sent send(tag 8, f32, len 64)",
+        "rank 1 expected recv(tag 7, f32, len 63) from rank 0, rank 0 sent send(tag 7, f32, len 64)",
+        "rank 1 expected recv(tag 7, bf16, len 64) from rank 0, rank 0 sent send(tag 7, f32, len 64)",
+    ];
+    let mut v = vec![0.0f32; 64];
+    let errs = [
+        world.recv(&mut v, 0, 7),
+        world.recv(&mut v[..63], 0, 7),
+        world.recv(&mut [half::bf16::ZERO; 64], 0, 7),
+    ];
+    for (e, want) in errs.into_iter().zip(want) {
+        match e {
+            Err(e @ CommError::Mismatch { .. }) => {
+                println!("rank 1: text: {e}");
+                assert_eq!(e.to_string(), want);
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
+    assert_eq!(v, vec![0.0; 64], "a mismatched message is never copied");
+    world
+        .recv(&mut v, 0, 9)
+        .expect("the message after the mismatches");
+    assert_eq!(v, data);
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    println!("rank 1: p2p_mismatch ok");
+    let e = world.recv(&mut v, 0, 5).expect_err("nobody sends");
+    match &e {
+        CommError::Timeout {
+            op: OpKind::Recv,
+            missing,
+            waited,
+            ..
+        } => {
+            assert!(*waited >= Duration::from_secs(2));
+            println!("rank 1: text: {e}");
+            println!("rank 1: p2p_timeout missing={missing:?} after {waited:?}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    std::process::exit(1);
+}
+
+/// Rank 2 sends a message to ranks 0 and 1 and dies (exits, or is SIGKILLed) while they wait
+/// for its next one.
+fn p2p_gone(world: &MpiComm, kill: bool) {
+    let me = world.rank();
+    if me == 2 {
+        world.send(&[2.5f64; 1000], 0, 0).unwrap();
+        world.send(&[2.5f64; 1000], 1, 0).unwrap();
+        world.barrier().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        if kill {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &std::process::id().to_string()])
+                .status();
+        }
+        std::process::exit(3);
+    }
+    let mut v = vec![0.0f64; 1000];
+    world.recv(&mut v, 2, 0).unwrap();
+    assert_eq!(v, vec![2.5; 1000]);
+    world.barrier().unwrap();
+    let t = Instant::now();
+    let e = world.recv(&mut v, 2, 1).expect_err("rank 2 is gone");
+    match &e {
+        CommError::RankGone {
+            op: OpKind::Recv,
+            gone,
+            ..
+        } => {
+            println!("rank {me}: text: {e}");
+            println!("rank {me}: p2p_gone gone={gone} after {:?}", t.elapsed());
+        }
+        other => panic!("rank {me}: expected RankGone, got {other:?}"),
+    }
+    // stay a moment, so that the other survivor sees rank 2 gone and not this one
+    std::thread::sleep(Duration::from_millis(500));
+    std::process::exit(1);
 }

@@ -28,12 +28,16 @@
 //!    Peers on the same host are watched through `/proc`: a peer process that exited fails the
 //!    wait with [`CommError::RankGone`] within about 50 ms.
 //!
+//! Point-to-point messages (`send_buf`, `recv_buf`, `p2p_batch`) are in `mpi/p2p.rs`: an
+//! `MPI_Isend` of an owned copy (eager at any size), a checked receive through staging.
+//!
 //! A collective that failed while requests were in flight (timeout, exited peer, MPI error)
 //! leaves the communicator unusable: MPI cannot cancel a collective, so its staging memory is
 //! leaked rather than freed under MPI's feet, and every later call returns the original error.
 //! [`Mpi`]'s drop then skips `MPI_Finalize` (which could wait for the dead peer); the process
 //! exits and the launcher tears the job down.
 
+mod p2p;
 mod peers;
 mod raw;
 mod runtime;
@@ -43,6 +47,7 @@ use crate::check::{as_seen_by, check_calls, split_members, Call};
 use crate::communicator::{chunk_range, Communicator, Descriptor, OpKind};
 use crate::elem::{reduce_bytes, Buf, BufMut, DType, ReduceOp};
 use crate::error::{CommError, Result};
+use crate::p2p::P2pOp;
 use crate::wire::WIRE_WORDS;
 use peers::Peers;
 use raw::CommHandle;
@@ -51,7 +56,7 @@ pub use runtime::Mpi;
 use std::ffi::c_int;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use std::time::{Duration, Instant};
 use wait::Waiter;
 
@@ -122,12 +127,15 @@ pub(super) struct State {
     stage: Staging,
     /// The failure that left operations in flight; every later call returns it.
     broken: Option<CommError>,
+    /// Point-to-point messages: sends in flight and message counts per peer.
+    p2p: p2p::P2pState,
 }
 
 /// One rank's handle on a group of MPI processes. See the module docs for the protocol.
 ///
 /// Create the world's with [`Mpi::world`] and groups with [`Communicator::split`]
-/// (`MPI_Comm_split`). Each communicator runs one collective at a time; use one per thread
+/// (`MPI_Comm_split`). Each communicator runs one collective (or point-to-point batch) at a
+/// time; use one per thread
 /// (split it) for concurrent work, as kiln's data-parallel engine and checkpoint writer do.
 #[derive(Debug)]
 pub struct MpiComm {
@@ -145,8 +153,10 @@ pub struct MpiComm {
 
 impl Drop for MpiComm {
     fn drop(&mut self) {
+        // sends still in flight complete first (their receivers may not have posted yet)
+        let flushed = self.flush_sends();
         let broken = self.state.get_mut().map_or(true, |s| s.broken.is_some());
-        if !broken && !runtime().finalized {
+        if flushed && !broken && !runtime().finalized {
             // a failing free leaves a handle behind, which MPI_Finalize cleans up
             let _ = self.handle.free();
         }
@@ -202,26 +212,7 @@ impl MpiComm {
     ) -> Result<T> {
         let op = call.desc.op;
         *self.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(call.desc);
-        let mut state = match self.state.try_lock() {
-            Ok(s) => s,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => {
-                return Err(CommError::Config(format!(
-                    "rank {} entered {op} while another collective of this communicator was in \
-                     flight (one communicator is used from two threads at once)",
-                    self.rank
-                )))
-            }
-        };
-        if let Some(e) = &state.broken {
-            return Err(raw::err(
-                op.name(),
-                format_args!("communicator unusable after an earlier failure: {e}"),
-            ));
-        }
-        if runtime().finalized {
-            return Err(raw::err(op.name(), "MPI is finalised"));
-        }
+        let mut state = self.enter(op)?;
         let mut waiter = Waiter::new(op, self.rank, self.config.timeout, Instant::now());
         waiter.watch = Some((&self.world_ranks, &self.peers));
         let st = &mut *state;
@@ -245,6 +236,32 @@ impl MpiComm {
                 Err(e)
             }
         }
+    }
+
+    /// The communicator's state for one operation, unless another is in flight, an earlier
+    /// failure left it unusable, or MPI is finalised.
+    fn enter(&self, op: OpKind) -> Result<MutexGuard<'_, State>> {
+        let state = match self.state.try_lock() {
+            Ok(s) => s,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                return Err(CommError::Config(format!(
+                    "rank {} entered {op} while another collective of this communicator was in \
+                     flight (one communicator is used from two threads at once)",
+                    self.rank
+                )))
+            }
+        };
+        if let Some(e) = &state.broken {
+            return Err(raw::err(
+                op.name(),
+                format_args!("communicator unusable after an earlier failure: {e}"),
+            ));
+        }
+        if runtime().finalized {
+            return Err(raw::err(op.name(), "MPI is finalised"));
+        }
+        Ok(state)
     }
 
     /// Exchanges every rank's call (when checking, and always for a split).
@@ -705,6 +722,10 @@ impl Communicator for MpiComm {
             })
         })?;
         Ok(Box::new(sub))
+    }
+
+    fn p2p_batch(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        self.run_p2p(ops)
     }
 }
 

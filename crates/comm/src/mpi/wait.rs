@@ -18,6 +18,8 @@ pub(super) struct Waiter<'a> {
     start: Instant,
     /// The group's world ranks and the liveness watch, once the world is known.
     pub(super) watch: Option<(&'a [usize], &'a Peers)>,
+    /// The group ranks to watch, when not all of them (the peers of point-to-point messages).
+    pub(super) only: Option<Vec<usize>>,
 }
 
 impl<'a> Waiter<'a> {
@@ -28,6 +30,7 @@ impl<'a> Waiter<'a> {
             timeout,
             start,
             watch: None,
+            only: None,
         }
     }
 
@@ -61,7 +64,9 @@ impl<'a> Waiter<'a> {
             if last_look.elapsed() >= LIVENESS_TICK {
                 last_look = Instant::now();
                 if let Some((world_ranks, peers)) = self.watch {
+                    let watched = |r: &usize| self.only.as_ref().is_none_or(|o| o.contains(r));
                     if let Some(gone) = (0..world_ranks.len())
+                        .filter(watched)
                         .find(|&r| r != self.rank && !peers.alive(world_ranks[r]))
                     {
                         return Err(CommError::RankGone {

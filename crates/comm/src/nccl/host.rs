@@ -2,12 +2,21 @@
 //! device buffer on the communicator's stream, runs the NCCL collective, and copies the result
 //! back. Uneven [`chunk_range`] chunks are padded to equal ones on the device; an integer
 //! average is an NCCL sum divided on the host (NCCL's integer average is not kiln's).
+//!
+//! Point-to-point messages go the same way: each send's slice is copied to the device, every
+//! `ncclSend` and `ncclRecv` of a batch is enqueued between `ncclGroupStart` and
+//! `ncclGroupEnd`, and the received bytes are copied back. NCCL checks nothing of a message but
+//! its size in bytes and completes a send only with its receive, so on NCCL a send is not eager
+//! (only a batch avoids the ordering deadlock), tags and dtypes are not compared
+//! ([`Capabilities::detects_mismatch`] is false), and a length mismatch is undefined. Written
+//! against NCCL's documented API and compile-checked; it has not run on a GPU.
 
-use super::{c_int, cuda_err, NcclComm, NcclElem, Raw, BACKEND};
+use super::{c_int, cuda_err, nccl_err, NcclComm, NcclElem, Raw, BACKEND};
 use crate::communicator::{chunk_range, Capabilities, Communicator, Descriptor, OpKind};
 use crate::elem::{Buf, BufMut, DType, ReduceOp};
 use crate::error::{CommError, Result};
-use cudarc::driver::CudaSlice;
+use crate::p2p::{check_peers, P2pOp};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use cudarc::nccl::sys;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -96,6 +105,92 @@ impl NcclComm {
         let mut d = self.upload(buf)?;
         self.broadcast_device(&mut d, root)?;
         self.download(&d, buf)
+    }
+
+    /// A batch of sends and receives of host slices, as bytes, in one NCCL group.
+    fn host_p2p(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        check_peers(ops, self.rank, self.world)?;
+        // device copies of the sends and device buffers for the receives (empty ones move
+        // nothing), with each op's index and peer
+        let mut sends: Vec<(std::ffi::c_int, CudaSlice<u8>)> = Vec::new();
+        let mut recvs: Vec<(usize, std::ffi::c_int, CudaSlice<u8>)> = Vec::new();
+        for (i, op) in ops.iter().enumerate() {
+            let peer = c_int(op.peer(), "peer")?;
+            match op {
+                P2pOp::Send { buf, .. } if !buf.is_empty() => {
+                    let d = self
+                        .stream
+                        .clone_htod(buf.as_bytes())
+                        .map_err(|e| cuda_err("copy to the device", e))?;
+                    sends.push((peer, d));
+                }
+                P2pOp::Recv { buf, .. } if !buf.is_empty() => {
+                    let n = buf.len() * buf.dtype().size_in_bytes();
+                    let d = self
+                        .stream
+                        .alloc_zeros::<u8>(n)
+                        .map_err(|e| cuda_err("cuMemAlloc", e))?;
+                    recvs.push((i, peer, d));
+                }
+                _ => {}
+            }
+        }
+        let Some(first) = ops.first() else {
+            return Ok(());
+        };
+        let mut raw = self.lock()?;
+        let desc = first.descriptor(raw.seq);
+        let stream = self.stream.clone();
+        self.run(&mut raw, desc, |comm, s| {
+            cudarc::nccl::result::group_start().map_err(|e| nccl_err("ncclGroupStart", &e))?;
+            let mut first_err = None;
+            for (peer, d) in &sends {
+                let (ptr, _r) = d.device_ptr(&stream);
+                // SAFETY: `ptr` holds `d.len()` bytes on this communicator's device.
+                let r = unsafe {
+                    cudarc::nccl::result::send(
+                        ptr as *const _,
+                        d.len(),
+                        sys::ncclDataType_t::ncclUint8,
+                        *peer,
+                        comm,
+                        s,
+                    )
+                };
+                if let Err(e) = r {
+                    first_err.get_or_insert(nccl_err("ncclSend", &e));
+                }
+            }
+            for (_, peer, d) in &mut recvs {
+                let n = d.len();
+                let (ptr, _w) = d.device_ptr_mut(&stream);
+                // SAFETY: `ptr` holds `n` bytes on this communicator's device.
+                let r = unsafe {
+                    cudarc::nccl::result::recv(
+                        ptr as *mut _,
+                        n,
+                        sys::ncclDataType_t::ncclUint8,
+                        *peer,
+                        comm,
+                        s,
+                    )
+                };
+                if let Err(e) = r {
+                    first_err.get_or_insert(nccl_err("ncclRecv", &e));
+                }
+            }
+            cudarc::nccl::result::group_end().map_err(|e| nccl_err("ncclGroupEnd", &e))?;
+            first_err.map_or(Ok(()), Err)
+        })?;
+        drop(raw);
+        for (i, _, d) in &recvs {
+            if let Some(P2pOp::Recv { buf, .. }) = ops.get_mut(*i) {
+                self.stream
+                    .memcpy_dtoh(d, buf.as_bytes_mut())
+                    .map_err(|e| cuda_err("copy to the host", e))?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -271,6 +366,10 @@ impl Communicator for NcclComm {
             world: count.max(0) as usize,
             timeout: self.timeout,
         }))
+    }
+
+    fn p2p_batch(&self, ops: &mut [P2pOp<'_>]) -> Result<()> {
+        self.host_p2p(ops)
     }
 
     fn as_any(&self) -> Option<&dyn std::any::Any> {

@@ -1,10 +1,11 @@
 //! The collective test suite, run by every backend against the same sequential references:
 //! the thread backend in `collectives.rs` (worlds 1, 2, 3, 4, 8 in one process), the MPI
-//! backend in `mpi.rs` (one rank per process under `mpirun -np N`).
+//! backend in `mpi.rs` (one rank per process under `mpirun -np N`). The point-to-point checks
+//! (`check_p2p_*`) compare what arrives with what the sender computed, bit for bit.
 #![allow(dead_code)]
 
 use half::{bf16, f16};
-use kiln_comm::{chunk_range, CommExt, Communicator, ReduceOp};
+use kiln_comm::{chunk_range, CommExt, Communicator, P2pOp, ReduceOp};
 
 pub const LENS: [usize; 4] = [0, 1, 7, 1 << 20];
 pub const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min];
@@ -309,5 +310,128 @@ pub fn check_many_small(ranks: &impl Ranks) {
             assert_eq!(o.0, want);
             assert_eq!(o.1, Some(509));
         }
+    }
+}
+
+/// What rank `src` sends as message `msg` of `len` elements.
+fn message<T: Elem>(src: usize, msg: usize, len: usize) -> Vec<T> {
+    (0..len)
+        .map(|i| T::from_f64(value(src * 1000 + msg, i)))
+        .collect()
+}
+
+/// A ring shift by one in both directions through `p2p_batch` (receives listed first, so only
+/// posting everything before waiting avoids a deadlock), every rank checking both messages.
+fn check_p2p_ring<T: Elem>(ranks: &impl Ranks, world: usize, len: usize) {
+    let outs = ranks.run(world, &|comm| {
+        let (n, r) = (comm.world_size(), comm.rank());
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let to_next = message::<T>(r, 0, len);
+        let to_prev = message::<T>(r, 1, len);
+        let mut from_prev = vec![T::from_f64(0.0); len];
+        let mut from_next = vec![T::from_f64(0.0); len];
+        comm.p2p_batch(&mut [
+            P2pOp::recv(&mut from_prev, prev, 10),
+            P2pOp::recv(&mut from_next, next, 11),
+            P2pOp::send(&to_next, next, 10),
+            P2pOp::send(&to_prev, prev, 11),
+        ])?;
+        Ok((from_prev, from_next))
+    });
+    for (r, (from_prev, from_next)) in &outs {
+        let (prev, next) = ((r + world - 1) % world, (r + 1) % world);
+        let what = format!("ring world {world} len {len} rank {r}");
+        assert_bits_eq(from_prev, &message::<T>(prev, 0, len), &what);
+        assert_bits_eq(from_next, &message::<T>(next, 1, len), &what);
+    }
+}
+
+/// Every rank sends to the next rank first and receives from the previous one second, with
+/// plain `send` and `recv`: only an eager send lets the ring complete. `len` elements of f32.
+fn check_p2p_send_first(ranks: &impl Ranks, world: usize, len: usize) {
+    let outs = ranks.run(world, &|comm| {
+        let (n, r) = (comm.world_size(), comm.rank());
+        comm.send(&message::<f32>(r, 2, len), (r + 1) % n, 3)?;
+        let mut got = vec![0.0f32; len];
+        comm.recv(&mut got, (r + n - 1) % n, 3)?;
+        Ok(got)
+    });
+    for (r, got) in &outs {
+        let prev = (r + world - 1) % world;
+        let what = format!("send first world {world} len {len} rank {r}");
+        assert_bits_eq(got, &message::<f32>(prev, 2, len), &what);
+    }
+}
+
+/// 100 messages of varying lengths and tags from each even rank to the odd rank after it,
+/// received one by one and in order; then 100 back in one batch.
+fn check_p2p_in_order(ranks: &impl Ranks, world: usize) {
+    let lens = |m: usize| (m * 37) % 101;
+    let outs = ranks.run(world, &|comm| {
+        let r = comm.rank();
+        let partner = r ^ 1;
+        if partner >= comm.world_size() {
+            return Ok(Vec::new());
+        }
+        let mut got = Vec::new();
+        if r % 2 == 0 {
+            for m in 0..100 {
+                comm.send(&message::<f64>(r, m, lens(m)), partner, m as u32)?;
+            }
+            let mut bufs: Vec<Vec<f64>> = (0..100).map(|m| vec![0.0; lens(m)]).collect();
+            let mut ops: Vec<P2pOp<'_>> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(m, b)| P2pOp::recv(b, partner, 1000 + m as u32))
+                .collect();
+            comm.p2p_batch(&mut ops)?;
+            drop(ops);
+            got = bufs;
+        } else {
+            for m in 0..100 {
+                let mut b = vec![0.0f64; lens(m)];
+                comm.recv(&mut b, partner, m as u32)?;
+                got.push(b);
+            }
+            let msgs: Vec<Vec<f64>> = (0..100).map(|m| message(r, 100 + m, lens(m))).collect();
+            let mut ops: Vec<P2pOp<'_>> = msgs
+                .iter()
+                .enumerate()
+                .map(|(m, b)| P2pOp::send(b, partner, 1000 + m as u32))
+                .collect();
+            comm.p2p_batch(&mut ops)?;
+        }
+        Ok(got)
+    });
+    for (r, got) in &outs {
+        let partner = r ^ 1;
+        if partner >= world {
+            continue;
+        }
+        assert_eq!(got.len(), 100, "rank {r}");
+        for (m, g) in got.iter().enumerate() {
+            let msg = if r % 2 == 0 { 100 + m } else { m };
+            let what = format!("message {m} from rank {partner} to rank {r}");
+            assert_bits_eq(g, &message::<f64>(partner, msg, lens(m)), &what);
+        }
+    }
+}
+
+/// Point-to-point in every element type and at lengths 0, 1, 7 and 1000 (rings of every world
+/// of at least 2 ranks); eager sends of 1 MiB (beyond MPI's eager limit) around the ring; 100
+/// messages in order between pairs.
+pub fn check_p2p(ranks: &impl Ranks) {
+    for world in ranks.worlds().into_iter().filter(|&w| w >= 2) {
+        for len in [0, 1, 7, 1000] {
+            check_p2p_ring::<f32>(ranks, world, len);
+            check_p2p_ring::<f64>(ranks, world, len);
+            check_p2p_ring::<f16>(ranks, world, len);
+            check_p2p_ring::<bf16>(ranks, world, len);
+            check_p2p_ring::<i64>(ranks, world, len);
+            check_p2p_ring::<u32>(ranks, world, len);
+        }
+        check_p2p_send_first(ranks, world, (1 << 18) + 3);
+        check_p2p_send_first(ranks, world, 0);
+        check_p2p_in_order(ranks, world);
     }
 }
