@@ -11,7 +11,8 @@
 //! - [`MetricSink`]: [`JsonlSink`] (the canonical log, schema below), [`ConsoleSink`]
 //!   (progress bar or plain lines), [`TensorBoardSink`] (event files TensorBoard reads),
 //!   [`PlotSink`] (a PNG of loss, learning rate, gradient norm and tokens/s at the end), and
-//!   [`MultiSink`] to fan out.
+//!   [`MultiSink`] to fan out. [`Gantt`] draws lanes of labelled, coloured spans into a PNG (a
+//!   pipeline schedule's timeline).
 //! - [`Detector`]s returning a [`Verdict`]: [`NonFiniteDetector`], [`SpikeDetector`] (loss or
 //!   gradient norm over k robust standard deviations of a rolling window), [`StragglerDetector`];
 //!   [`DetectorSet::standard`] has them all.
@@ -70,6 +71,7 @@ mod detect;
 mod detector_set;
 mod error;
 mod event;
+mod gantt;
 mod jsonfloat;
 mod jsonl;
 mod metrics;
@@ -92,6 +94,7 @@ pub use detect::{
 pub use detector_set::{DetectorInput, DetectorSet, DEFAULT_DETECTOR_HISTORY};
 pub use error::{MonitorError, Result};
 pub use event::{Event, EventKind};
+pub use gantt::{Gantt, GanttLane, GanttSpan};
 pub use jsonl::{read_jsonl, JsonlLine, JsonlSink};
 pub use metrics::{MemoryUsage, Mfu, ScalerEvent, StepMetrics};
 pub use peak::{CpuInfo, GpuPeak, PeakFlops, GPU_PEAKS};

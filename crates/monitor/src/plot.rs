@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The family name the embedded font is registered under.
-const FONT: &str = "sans-serif";
+pub(crate) const FONT: &str = "sans-serif";
 
-fn register_font() -> std::result::Result<(), String> {
+pub(crate) fn register_font() -> std::result::Result<(), String> {
     static DONE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     DONE.get_or_init(|| {
         plotters::style::register_font(FONT, FontStyle::Normal, epaint_default_fonts::HACK_REGULAR)

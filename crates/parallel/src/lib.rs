@@ -28,6 +28,7 @@ mod dims;
 mod engine;
 mod error;
 mod flat;
+pub mod pipeline;
 mod state;
 pub mod tp;
 
@@ -36,4 +37,5 @@ pub use engine::{DataParallel, DataParallelConfig, StepPreview, StepReport};
 pub use error::{ParallelError, Result};
 pub use flat::{tensor_into_slice, write_var, FlatLayout, ParamSlot, Unit, DEFAULT_BUCKET_BYTES};
 pub use kiln_state::ZeroStage;
+pub use pipeline::{Action, Costs, PipelineSpec, Schedule, ScheduleError, ScheduleKind, Timeline};
 pub use state::{checkpoint_geometry, PlannedParam, ShardPlan, StagedState};
