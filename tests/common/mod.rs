@@ -2,4 +2,5 @@
 #![allow(dead_code)]
 
 pub mod equivalence;
+pub mod pipeline;
 pub mod process;

@@ -29,13 +29,15 @@ mod engine;
 mod error;
 mod flat;
 pub mod pipeline;
+mod stages;
 mod state;
 pub mod tp;
 
 pub use dims::{Groups, ParallelDims};
-pub use engine::{DataParallel, DataParallelConfig, StepPreview, StepReport};
+pub use engine::{DataParallel, DataParallelConfig, DeferredGrads, StepPreview, StepReport};
 pub use error::{ParallelError, Result};
 pub use flat::{tensor_into_slice, write_var, FlatLayout, ParamSlot, Unit, DEFAULT_BUCKET_BYTES};
 pub use kiln_state::ZeroStage;
 pub use pipeline::{Action, Costs, PipelineSpec, Schedule, ScheduleError, ScheduleKind, Timeline};
+pub use stages::{segment_flops, stage_segments, StageSplit};
 pub use state::{checkpoint_geometry, PlannedParam, ShardPlan, StagedState};

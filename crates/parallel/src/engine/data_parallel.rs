@@ -16,6 +16,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod host;
+mod pipeline;
+mod schedule_run;
+pub use pipeline::DeferredGrads;
 #[cfg(feature = "cuda")]
 mod resident;
 mod state;
@@ -52,6 +55,8 @@ pub struct DataParallel {
     world: Option<Arc<dyn Communicator>>,
     /// The tensor-parallel group, when the model is split over one.
     tp: Option<Arc<dyn Communicator>>,
+    /// The pipeline this engine's stage belongs to, when the model is split into stages.
+    pipeline: Option<pipeline::PipelineLink>,
     /// Per parameter (layout order), how it is split over tensor-parallel ranks.
     splits: Vec<TpSplit>,
     worker: Worker,
@@ -177,6 +182,7 @@ impl DataParallel {
             comm,
             world: None,
             tp: None,
+            pipeline: None,
             splits: vec![TpSplit::Replicated; layout.params().len()],
             worker: Worker::start(worker_comm)?,
             device,
@@ -460,7 +466,26 @@ impl DataParallel {
             comm_wait += tw.elapsed();
         }
         let compute_s = t0.elapsed().as_secs_f64() - comm_wait.as_secs_f64();
+        self.conclude(
+            scale, accum, loss_sum, compute_s, forward_s, comm_wait, scaler,
+        )
+    }
 
+    /// The end of [`DataParallel::backward`] once every micro-batch's gradients are reduced
+    /// over the data-parallel group: unscale and the found-inf check (agreed over the world),
+    /// the loss (the mean of `loss_sum` over `accum` micro-batches, averaged over the group; a
+    /// pipeline's last stage broadcasts its own), the loss scaler's update and the global norm.
+    #[allow(clippy::too_many_arguments)]
+    fn conclude(
+        &mut self,
+        scale: f32,
+        accum: usize,
+        loss_sum: f64,
+        compute_s: f64,
+        forward_s: f64,
+        comm_wait: Duration,
+        scaler: &mut dyn LossScaler,
+    ) -> Result<StepPreview> {
         let t_opt = Instant::now();
         // unscale (and average micro-batches), check for inf/NaN on what this rank owns
         let inv = 1.0 / (scale * accum as f32);
@@ -498,7 +523,10 @@ impl DataParallel {
             }
         };
         let loss_local = loss_sum / accum as f64;
-        let loss = self.comm.all_reduce_scalar(loss_local, ReduceOp::Avg)? as f32;
+        let mut loss = self.comm.all_reduce_scalar(loss_local, ReduceOp::Avg)? as f32;
+        if let Some(pp) = &self.pipeline {
+            loss = pipeline::last_stage_loss(&*pp.comm, loss)?;
+        }
         let scale_event = scaler.update(found_inf)?;
         let grad_norm = match (found_inf, norm_first) {
             (true, _) => None,
@@ -663,6 +691,9 @@ impl DataParallel {
                 if lo >= hi {
                     continue;
                 }
+                if self.pipeline.as_ref().is_some_and(|pp| pp.norm_skip[p]) {
+                    continue;
+                }
                 values.push(&owned[lo - c.start..hi - c.start]);
                 replicated_at.push(self.tp.is_some() && self.splits[p] == TpSplit::Replicated);
             }
@@ -684,6 +715,9 @@ impl DataParallel {
             split.all_reduce(&**tp)?;
             replicated.all_reduce(&*self.comm)?;
             split.merge(&replicated);
+        }
+        if let Some(pp) = &self.pipeline {
+            split.all_reduce(&*pp.comm)?;
         }
         Ok(split.norm())
     }

@@ -68,6 +68,15 @@ impl GradSink<'_> {
         Ok(())
     }
 
+    /// Hands every unit to the communication thread at once (a pipeline stage's gradients,
+    /// accumulated over the whole step) and waits for them all.
+    pub(super) fn reduce_all(&mut self) -> Result<()> {
+        for u in 0..self.layout.units().len() {
+            self.dispatch(u)?;
+        }
+        self.finish()
+    }
+
     /// Sends what was deferred (overlap off) and waits for every unit to come back.
     pub(super) fn finish(&mut self) -> Result<()> {
         for u in std::mem::take(&mut self.deferred) {
