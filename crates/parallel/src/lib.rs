@@ -34,7 +34,9 @@ mod state;
 pub mod tp;
 
 pub use dims::{Groups, ParallelDims};
-pub use engine::{DataParallel, DataParallelConfig, DeferredGrads, StepPreview, StepReport};
+pub use engine::{
+    DataParallel, DataParallelConfig, DeferredGrads, PipelineTrace, StepPreview, StepReport,
+};
 pub use error::{ParallelError, Result};
 pub use flat::{tensor_into_slice, write_var, FlatLayout, ParamSlot, Unit, DEFAULT_BUCKET_BYTES};
 pub use kiln_state::ZeroStage;

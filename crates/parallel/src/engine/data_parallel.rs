@@ -19,6 +19,7 @@ mod host;
 mod pipeline;
 mod schedule_run;
 pub use pipeline::DeferredGrads;
+pub use schedule_run::PipelineTrace;
 #[cfg(feature = "cuda")]
 mod resident;
 mod state;

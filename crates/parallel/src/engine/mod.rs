@@ -29,4 +29,4 @@ mod hooks;
 mod worker;
 
 pub use config::{DataParallelConfig, StepPreview, StepReport};
-pub use data_parallel::{DataParallel, DeferredGrads};
+pub use data_parallel::{DataParallel, DeferredGrads, PipelineTrace};

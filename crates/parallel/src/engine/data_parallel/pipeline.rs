@@ -38,6 +38,8 @@ pub(crate) struct PipelineLink {
     owner: Vec<usize>,
     /// The step in progress.
     step: Option<Accum>,
+    /// The last schedule run's trace.
+    pub(super) trace: Option<super::schedule_run::PipelineTrace>,
 }
 
 /// One step's accumulation state.
@@ -170,6 +172,7 @@ impl DataParallel {
             tied: tied_ids,
             owner,
             step: None,
+            trace: None,
         });
         Ok(self)
     }

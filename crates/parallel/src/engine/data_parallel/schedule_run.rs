@@ -107,6 +107,30 @@ fn recv_tensor(
     Ok(t)
 }
 
+/// What one rank's [`DataParallel::pipeline_step`] did, for measuring a schedule: each action
+/// with its start and end (seconds from the step's start), the step's length, and the most
+/// micro-batches whose activations the rank held at once.
+#[derive(Debug, Clone, Default)]
+pub struct PipelineTrace {
+    /// Each action of the rank's list, with its start and end in seconds.
+    pub spans: Vec<(Action, f64, f64)>,
+    /// Seconds from the first action's start to the last one's end.
+    pub step_s: f64,
+    /// The most forwards whose backward (or weight gradient) had not run yet, at once.
+    pub peak_in_flight: usize,
+}
+
+impl PipelineTrace {
+    /// Seconds spent in forwards and backwards (not in sends, receives or waiting).
+    pub fn compute_s(&self) -> f64 {
+        self.spans
+            .iter()
+            .filter(|(a, _, _)| a.compute().is_some())
+            .map(|(_, s, e)| e - s)
+            .sum()
+    }
+}
+
 fn missing(what: &str, a: &Action) -> ParallelError {
     ParallelError::Config(format!("pipeline action {a:?}: {what}"))
 }
@@ -166,7 +190,10 @@ impl DataParallel {
         let mut grads_out: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut grads_in: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut deferred: HashMap<(usize, usize), DeferredGrads> = HashMap::new();
+        let mut trace = PipelineTrace::default();
+        let t0 = std::time::Instant::now();
         for a in &schedule.ranks[rank] {
+            let started = t0.elapsed().as_secs_f64();
             let (mb, chunk) = (a.mb(), a.chunk());
             let key = (mb, chunk);
             let segs = chunks
@@ -251,6 +278,12 @@ impl DataParallel {
                     grads_in.insert(key, t);
                 }
             }
+            trace.peak_in_flight = trace.peak_in_flight.max(saved.len() + deferred.len());
+            trace.spans.push((*a, started, t0.elapsed().as_secs_f64()));
+        }
+        trace.step_s = t0.elapsed().as_secs_f64();
+        if let Some(link) = self.pipeline.as_mut() {
+            link.trace = Some(trace);
         }
         let left = saved.len() + outputs.len() + inputs.len() + grads_out.len();
         if left + grads_in.len() + deferred.len() > 0 {
@@ -267,5 +300,11 @@ impl DataParallel {
             )));
         }
         self.pipeline_finish(micro_batches.len(), scaler)
+    }
+
+    /// What this rank's last [`DataParallel::pipeline_step`] did (its actions' times and the
+    /// activations it held at most).
+    pub fn last_pipeline_trace(&self) -> Option<&PipelineTrace> {
+        self.pipeline.as_ref().and_then(|l| l.trace.as_ref())
     }
 }
