@@ -11,7 +11,9 @@
 //! - `kiln sample` and `kiln evaluate`: text from a trained model, and its loss on a text
 //!   ([`sample`], [`evaluate`], sharing [`model_args`]);
 //! - `kiln plan-memory` and `kiln prepare-data`: memory per rank under each ZeRO stage, and the
-//!   default corpus tokenized ([`plan`], [`prepare`]).
+//!   default corpus tokenized ([`plan`], [`prepare`]);
+//! - `kiln plan-pipeline`: a pipeline schedule's timeline per rank, its bubble against theory
+//!   and a PNG of it ([`plan_pipeline`]).
 //!
 //! Every subcommand is a clap `Args` struct with a `run` method, so a program of one's own can
 //! reuse them:
@@ -33,6 +35,7 @@ pub mod hf;
 pub mod launch;
 pub mod model_args;
 pub mod plan;
+pub mod plan_pipeline;
 pub mod prepare;
 pub mod sample;
 pub mod train;
@@ -76,6 +79,9 @@ pub enum Command {
     Evaluate(evaluate::EvaluateArgs),
     /// Memory per rank of a GPT preset under every ZeRO stage, for a dp x tp grid
     PlanMemory(plan::PlanArgs),
+    /// A pipeline schedule's timeline per rank, its bubble against theory and the activations
+    /// each rank holds (GPipe, 1F1B, interleaved, ZB-H1), and a PNG of it
+    PlanPipeline(plan_pipeline::PlanPipelineArgs),
     /// Tokenize the default corpus (train a BPE tokenizer, write the token shards)
     PrepareData(prepare::PrepareArgs),
 }
@@ -92,6 +98,7 @@ impl Command {
             Command::Sample(a) => a.run().map(|()| ExitCode::SUCCESS),
             Command::Evaluate(a) => a.run().map(|()| ExitCode::SUCCESS),
             Command::PlanMemory(a) => a.run().map(|()| ExitCode::SUCCESS),
+            Command::PlanPipeline(a) => a.run().map(|()| ExitCode::SUCCESS),
             Command::PrepareData(a) => a.run().map(|()| ExitCode::SUCCESS),
         }
     }

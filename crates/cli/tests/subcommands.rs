@@ -11,6 +11,9 @@
 //! - `kiln sample --greedy --ids` prints the ids `kiln_model::generate` gives in this process;
 //! - `kiln evaluate` prints the cross-entropy a log-softmax in f64 computes here;
 //! - `kiln plan-memory` prints ZeRO's 2 + 2 + 12 bytes per parameter;
+//! - `kiln plan-pipeline` prints each rank's timeline, the bubble fraction of the closed form
+//!   ((p-1)/(m+p-1) for 1F1B, (p-1)/(3m+p-1) for ZB-H1) and 1F1B's p - rank activations in
+//!   flight, writes a PNG of the size it says, and names the rule a bad shape breaks;
 //! - `kiln prepare-data` trains a tokenizer of the asked size and writes shards holding the
 //!   tokens it says, then finds them in place;
 //! - `kiln launch` gives each process its rank and one shared rendezvous token, and names a
@@ -132,7 +135,7 @@ fn trained() -> &'static Trained {
 #[test]
 fn help_lists_every_subcommand_and_its_flags() {
     let top = ok(kiln().arg("--help"));
-    let subs: [(&str, &[&str]); 9] = [
+    let subs: [(&str, &[&str]); 10] = [
         (
             "train",
             &[
@@ -200,6 +203,21 @@ fn help_lists_every_subcommand_and_its_flags() {
                 "--sequence-parallel",
             ],
         ),
+        (
+            "plan-pipeline",
+            &[
+                "--pp",
+                "--micro-batches",
+                "--schedule",
+                "--virtual-stages",
+                "--png",
+                "--forward-cost",
+                "--backward-cost",
+                "--weight-cost",
+                "--p2p-cost",
+                "gpipe, 1f1b, interleaved or zb_h1",
+            ],
+        ),
         ("prepare-data", &["--out", "--data", "--vocab", "--shards"]),
     ];
     for (sub, flags) in subs {
@@ -228,6 +246,7 @@ fn help_lists_every_subcommand_and_its_flags() {
     for args in [
         &["sample", "m", "--frobnicate"][..],
         &["plan-memory", "--dp", "many"],
+        &["plan-pipeline", "--schedule", "pipedream"],
         &["launch", "--nproc-per-node", "0", "--", "true"],
         &["train", "--run", "no_such_run"],
     ] {
@@ -502,6 +521,90 @@ fn plan_memory_counts_16_bytes_per_parameter() {
         gib(12.0 * p / dp),
         "optimizer states / dp"
     );
+}
+
+#[test]
+fn plan_pipeline_prints_the_timeline_bubble_and_activations_and_draws_the_png() {
+    let dir = tmp("plan-pipeline");
+    let png = dir.join("sub/1f1b.png");
+    let printed = ok(kiln()
+        .args(["plan-pipeline", "--pp", "4", "--micro-batches", "8"])
+        .args(["--schedule", "1f1b", "--png"])
+        .arg(&png));
+    println!("{printed}");
+    let (p, m) = (4.0, 8.0);
+    // 1F1B idles (p - 1) (F + B) of each rank's (m + p - 1) (F + B)
+    let bubble = format!("{:.4}", (p - 1.0) / (m + p - 1.0));
+    assert!(
+        printed.contains(&format!("bubble fraction {bubble} (theory {bubble})")),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("makespan 33;"),
+        "(m + p - 1) (F + B) = 33:\n{printed}"
+    );
+    assert!(
+        printed
+            .contains("peak micro-batches in flight: rank 0: 4, rank 1: 3, rank 2: 2, rank 3: 1"),
+        "{printed}"
+    );
+    // one timeline line per rank, each with every forward and backward once
+    let lines: Vec<&str> = printed.lines().filter(|l| l.starts_with("rank ")).collect();
+    assert_eq!(lines.len(), 4, "{printed}");
+    for l in &lines {
+        for mb in 0..8 {
+            for kind in ["F", "B"] {
+                let label = format!("{kind}{mb}");
+                let n = l.split_whitespace().filter(|w| *w == label).count();
+                assert_eq!(n, 1, "{label} in {l}");
+            }
+        }
+    }
+    // a PNG, 1600 wide (40 pixels per unit of a 33-unit step, at least 1600) and 140 + 70 x 4
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    let be = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
+    assert_eq!(&bytes[12..16], b"IHDR");
+    assert_eq!((be(16), be(20)), (1600, 420));
+    assert!(bytes.len() > 10_000, "{} bytes", bytes.len());
+
+    // ZB-H1 with F = B = W: the paper's (p - 1) (F + B - W) of bubble
+    let printed = ok(kiln().args([
+        "plan-pipeline",
+        "--pp",
+        "4",
+        "--micro-batches",
+        "8",
+        "--schedule",
+        "zb_h1",
+    ]));
+    let bubble = format!("{:.4}", (p - 1.0) / (3.0 * m + p - 1.0));
+    assert!(
+        printed.contains(&format!("bubble fraction {bubble} (theory {bubble})")),
+        "{printed}"
+    );
+    assert!(printed.contains(" W7"), "{printed}");
+
+    // a shape the schedule cannot run names the factor and the rule
+    for (args, rule) in [
+        (
+            &["--schedule", "gpipe", "--virtual-stages", "2"][..],
+            "virtual stages need the interleaved schedule; gpipe got virtual_stages = 2",
+        ),
+        (
+            &["--schedule", "interleaved", "--micro-batches", "6"],
+            "micro_batches divisible by stages",
+        ),
+        (
+            &["--weight-cost", "3"],
+            "--weight-cost 3 is more than --backward-cost 2",
+        ),
+    ] {
+        let out = run(kiln().arg("plan-pipeline").args(args));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(rule), "{args:?}: {err}");
+    }
 }
 
 #[test]
