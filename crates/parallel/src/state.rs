@@ -75,6 +75,9 @@ pub struct ShardPlan {
     dp_rank: usize,
     tp: usize,
     tp_rank: usize,
+    /// Pipeline stages and this rank's (1 and 0 without a pipeline).
+    pp: usize,
+    pp_rank: usize,
 }
 
 /// The checkpoint shape of a parameter whose tensor-parallel shard has shape `local`, and the
@@ -177,7 +180,17 @@ impl ShardPlan {
             dp_rank,
             tp,
             tp_rank,
+            pp: 1,
+            pp_rank: 0,
         })
+    }
+
+    /// The same plan on stage `pp_rank` of a pipeline of `pp` stages (the stage's own
+    /// parameters; the data-parallel group of a staged state is then the stage's).
+    pub fn on_stage(mut self, (pp_rank, pp): (usize, usize)) -> Self {
+        self.pp = pp.max(1);
+        self.pp_rank = pp_rank;
+        self
     }
 
     /// The planned parameters, in layout order.
@@ -373,9 +386,9 @@ impl StagedState {
     }
 
     /// The staged state as a checkpoint part. Where the engine splits parameters over a
-    /// tensor-parallel group (`tp > 1`), this gathers each data-parallel group's chunks:
-    /// `comm` must then span the engine's whole world (data x tensor parallel) in its rank
-    /// order, as a checkpoint writer's communicator does; it is split into the data-parallel
+    /// tensor-parallel group (`tp > 1`) or the model into pipeline stages, this gathers each
+    /// data-parallel group's chunks: `comm` must then span the engine's whole world (data x
+    /// tensor x pipeline parallel) in its rank order, as a checkpoint writer's communicator does; it is split into the data-parallel
     /// groups (`ParallelDims::build_groups`' colours), collectively. With `tp == 1` nothing is
     /// communicated.
     pub fn state(&self, comm: &dyn Communicator) -> kiln_state::Result<StateDict> {
@@ -384,13 +397,18 @@ impl StagedState {
             .as_ref()
             .ok_or_else(|| engine_err("nothing staged: call DataParallel::stage_state first"))?;
         let group;
-        let dp: &dyn Communicator = if plan.tp > 1 {
-            let world = plan.dp * plan.tp;
-            let rank = plan.dp_rank * plan.tp + plan.tp_rank;
+        let dp: &dyn Communicator = if plan.tp > 1 || plan.pp > 1 {
+            let world = plan.dp * plan.tp * plan.pp;
+            let rank = (plan.pp_rank * plan.dp + plan.dp_rank) * plan.tp + plan.tp_rank;
             if comm.world_size() != world || comm.rank() != rank {
+                let pp = if plan.pp > 1 {
+                    format!(" x pp {}", plan.pp)
+                } else {
+                    String::new()
+                };
                 return Err(engine_err(format!(
-                    "staged state of rank {rank} of dp {} x tp {} = {world}: the communicator \
-                     is rank {} of {}",
+                    "staged state of rank {rank} of dp {} x tp {}{pp} = {world}: the \
+                     communicator is rank {} of {}",
                     plan.dp,
                     plan.tp,
                     comm.rank(),
@@ -398,7 +416,7 @@ impl StagedState {
                 )));
             }
             group = comm
-                .split(plan.tp_rank as u32, rank as u32)
+                .split((plan.pp_rank * plan.tp + plan.tp_rank) as u32, rank as u32)
                 .map_err(engine_err)?;
             &*group
         } else {
@@ -472,6 +490,7 @@ impl DataParallel {
                     .map_or(TpSplit::Replicated, |i| splits[i])
             },
         )
+        .map(|p| p.on_stage(self.pipeline_dims()))
     }
 }
 

@@ -7,6 +7,7 @@ use kiln_memory::RecomputePolicy;
 use kiln_model::GptConfig;
 use kiln_monitor::{BreakerPolicy, SpikeConfig};
 use kiln_optim::{AdamWConfig, OptimizerConfig, ScheduleConfig, WeightDecayGroups};
+use kiln_parallel::pipeline::ScheduleKind;
 use kiln_precision::{ComputeDType, DynamicScalerConfig};
 use kiln_state::ZeroStage;
 use kiln_tune::LoraConfig;
@@ -101,9 +102,19 @@ pub struct ParallelSection {
     /// model's `n_ctx` to be multiples of `tp`; not with `model.lora`.
     pub sequence_parallel: bool,
     /// The collective backend: `thread` (every rank a thread of this process, the default)
-    /// or `mpi` (one rank per process, started by `mpirun -np <dp*tp>` or srun; needs the
+    /// or `mpi` (one rank per process, started by `mpirun -np <dp*tp*pp>` or srun; needs the
     /// `mpi` feature).
     pub backend: Backend,
+    /// Pipeline-parallel degree: the blocks cut into `pp` stages (the embedding on the first,
+    /// the head and the loss on the last, balanced by compute), each stage held by `dp x tp`
+    /// ranks; ranks are ordered tp fastest, then dp, then pp (Megatron-LM).
+    pub pp: usize,
+    /// The pipeline schedule when `pp > 1`: `gpipe`, `1f1b` (the default), `interleaved`
+    /// (with `virtual_stages >= 2`) or `zb_h1`. A step's micro-batches are
+    /// `train.accumulation`.
+    pub pp_schedule: ScheduleKind,
+    /// Model chunks per pipeline rank for the interleaved schedule (1 otherwise).
+    pub virtual_stages: usize,
 }
 
 impl Default for ParallelSection {
@@ -116,14 +127,17 @@ impl Default for ParallelSection {
             overlap: true,
             sequence_parallel: false,
             backend: Backend::Thread,
+            pp: 1,
+            pp_schedule: ScheduleKind::OneFOneB,
+            virtual_stages: 1,
         }
     }
 }
 
 impl ParallelSection {
-    /// The world size, `dp * tp`.
+    /// The world size, `dp * tp * pp`.
     pub fn world(&self) -> usize {
-        self.dp.saturating_mul(self.tp)
+        self.dp.saturating_mul(self.tp).saturating_mul(self.pp)
     }
 
     /// The bucket size in bytes.

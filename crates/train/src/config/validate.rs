@@ -2,7 +2,8 @@
 
 use super::RunConfig;
 use crate::error::{Result, TrainError};
-use kiln_parallel::ParallelDims;
+use kiln_parallel::pipeline::{PipelineSpec, ScheduleKind};
+use kiln_parallel::{stage_segments, ParallelDims, StageSplit, ZeroStage};
 use kiln_precision::ComputeDType;
 
 impl RunConfig {
@@ -32,12 +33,18 @@ impl RunConfig {
         }
         let p = &self.parallel;
         let shape = model.shape();
-        ParallelDims::new(p.dp, p.tp, p.world(), &shape).map_err(|e| {
+        ParallelDims::with_pipeline(p.dp, p.tp, p.pp, p.world(), &shape).map_err(|e| {
+            let pp = if p.pp == 1 {
+                String::new()
+            } else {
+                format!(" x pp ({})", p.pp)
+            };
             TrainError::config(
                 "RunConfig.parallel",
-                format!("dp ({}) x tp ({}): {e}", p.dp, p.tp),
+                format!("dp ({}) x tp ({}){pp}: {e}", p.dp, p.tp),
             )
         })?;
+        self.validate_pipeline(&shape)?;
         if !p.backend.is_built() {
             return bad(
                 "parallel.backend",
@@ -302,5 +309,75 @@ impl RunConfig {
             ));
         }
         notes
+    }
+}
+
+impl RunConfig {
+    /// The pipeline settings: the schedule can run `pp` stages with `virtual_stages` chunks
+    /// and `train.accumulation` micro-batches, the blocks give every stage one, and the stage
+    /// runs a ZeRO stage it supports. Errors name the factor and the rule.
+    fn validate_pipeline(&self, shape: &kiln_memory::ModelShape) -> Result<()> {
+        let p = &self.parallel;
+        let bad = |field: &str, why: String| Err(TrainError::config(field, why));
+        if p.virtual_stages == 0 {
+            return bad(
+                "parallel.virtual_stages",
+                "must be at least 1, got 0".into(),
+            );
+        }
+        if p.pp <= 1 {
+            if p.virtual_stages > 1 {
+                return bad(
+                    "parallel.virtual_stages",
+                    format!(
+                        "{} model chunks per rank need a pipeline: set parallel.pp above 1",
+                        p.virtual_stages
+                    ),
+                );
+            }
+            return Ok(());
+        }
+        let spec = PipelineSpec {
+            stages: p.pp,
+            virtual_stages: p.virtual_stages,
+            micro_batches: self.train.accumulation,
+        };
+        spec.validate(p.pp_schedule).map_err(|e| {
+            TrainError::config(
+                "RunConfig.parallel.pp_schedule",
+                format!(
+                    "{} with pp = {}, virtual_stages = {} and train.accumulation = {} \
+                     micro-batches: {e}",
+                    p.pp_schedule, p.pp, p.virtual_stages, self.train.accumulation
+                ),
+            )
+        })?;
+        let stages = p.pp * p.virtual_stages;
+        let layers = shape.n_layers as usize;
+        if p.pp_schedule == ScheduleKind::Interleaved && layers % stages != 0 {
+            return bad(
+                "parallel.virtual_stages",
+                format!(
+                    "the interleaved schedule gives every chunk the same blocks: pp ({}) x \
+                     virtual_stages ({}) = {stages} must divide the model's n_layers ({layers})",
+                    p.pp, p.virtual_stages
+                ),
+            );
+        }
+        stage_segments(shape, stages, &StageSplit::Balanced).map_err(|e| {
+            TrainError::config(
+                "RunConfig.parallel.pp",
+                format!("pp ({}) x virtual_stages ({}): {e}", p.pp, p.virtual_stages),
+            )
+        })?;
+        if p.zero == ZeroStage::Zero3 {
+            return bad(
+                "parallel.zero",
+                "pipeline stages run ZeRO stages 0 to 2 (ZeRO-3's per-segment gathers are not \
+                 driven by a pipeline schedule): use zero = 1 or 2 with pp > 1"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 }

@@ -16,7 +16,8 @@ use kiln_monitor::{
     StepMetrics, Watchdog,
 };
 use kiln_optim::LrSchedule;
-use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims};
+use kiln_parallel::pipeline::{PipelineSpec, Schedule};
+use kiln_parallel::{stage_segments, DataParallel, DataParallelConfig, ParallelDims, StageSplit};
 use kiln_precision::{ComputeDType, DynamicLossScaler, LossScaler, NoScaler};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -166,19 +167,22 @@ impl<M: TrainModel> TrainerBuilder<M> {
             return Err(TrainError::config(
                 "RunConfig.parallel",
                 format!(
-                    "dp ({}) x tp ({}) = {} but the communicator has {} ranks",
+                    "dp ({}) x tp ({}) x pp ({}) = {} but the communicator has {} ranks",
                     p.dp,
                     p.tp,
+                    p.pp,
                     p.world(),
                     world.world_size()
                 ),
             ));
         }
         let shape = gpt.shape();
-        let dims = ParallelDims::new(p.dp, p.tp, world.world_size(), &shape)?;
+        let dims = ParallelDims::with_pipeline(p.dp, p.tp, p.pp, world.world_size(), &shape)?;
         let groups = dims.build_groups(&*world)?;
         let dp: Arc<dyn Communicator> = Arc::from(groups.dp);
         let tp: Arc<dyn Communicator> = Arc::from(groups.tp);
+        let pp_comm: Arc<dyn Communicator> = Arc::from(groups.pp);
+        let embedding: Option<Arc<dyn Communicator>> = groups.embedding.map(Arc::from);
         let rank = world.rank();
         let model = (self.model_fn)(&ModelContext {
             config: &cfg,
@@ -196,12 +200,29 @@ impl<M: TrainModel> TrainerBuilder<M> {
             update_norms: true,
             recompute: cfg.train.recompute,
         };
-        let mut engine = DataParallel::new(&model.segment_param_lists(), &*dp, dpc)?
+        let stage_plan = if p.pp > 1 {
+            Some(StagePlan::new(&model, &cfg, dims.pp_rank(rank), &shape)?)
+        } else {
+            None
+        };
+        let (lists, splits, kinds) = match &stage_plan {
+            Some(sp) => sp.filter(&model),
+            None => (
+                model.segment_param_lists(),
+                model.param_splits(),
+                model.param_kinds(),
+            ),
+        };
+        let mut engine = DataParallel::new(&lists, &*dp, dpc)?
             .with_world(world.clone())
-            .with_param_splits(&model.param_splits())?
-            .with_decay_groups(&model.param_kinds(), &cfg.optim.weight_decay_groups)?;
+            .with_param_splits(&splits)?
+            .with_decay_groups(&kinds, &cfg.optim.weight_decay_groups)?;
         if p.tp > 1 {
             engine = engine.with_tensor_parallel(tp.clone());
+        }
+        if let Some(sp) = &stage_plan {
+            let tied: Vec<&str> = sp.tied.iter().map(String::as_str).collect();
+            engine = engine.with_pipeline(pp_comm.clone(), embedding, &tied)?;
         }
 
         // data
@@ -359,7 +380,7 @@ impl<M: TrainModel> TrainerBuilder<M> {
             if ck.keep_every > 0 {
                 retention = retention.and_every(ck.keep_every);
             }
-            let layout = Layout::new(p.dp, p.tp, p.zero)?;
+            let layout = Layout::new(p.dp, p.tp, p.zero)?.with_pp(p.pp)?;
             let mut c = Checkpointer::new(
                 storage,
                 CheckpointConfig::new(layout, model.config_hash())
@@ -469,6 +490,8 @@ impl<M: TrainModel> TrainerBuilder<M> {
             dp,
             tp,
             dims,
+            pp: pp_comm,
+            stage_plan,
             model,
             engine,
             scaler,
@@ -635,4 +658,123 @@ fn calibrate_drift(
     m.calibrate(batches.iter().map(|b| &b[..]), dr.calibrate_margin)
         .map_err(|e| TrainError::config("RunConfig.data.drift", e.to_string()))?;
     Ok(())
+}
+
+/// What one pipeline rank runs: the schedule, the segments of each of its chunks, and the
+/// parameters the first and the last stage share (the tied embedding).
+#[derive(Debug, Clone)]
+pub(super) struct StagePlan {
+    pub(super) schedule: Schedule,
+    pub(super) chunks: Vec<std::ops::Range<usize>>,
+    pub(super) tied: Vec<String>,
+    /// Per parameter name: the pipeline rank that owns it (the first stage for a tied one).
+    pub(super) owner: std::collections::BTreeMap<String, usize>,
+}
+
+impl StagePlan {
+    fn new<M: TrainModel>(
+        model: &M,
+        cfg: &RunConfig,
+        pp_rank: usize,
+        shape: &kiln_memory::ModelShape,
+    ) -> Result<Self> {
+        let p = &cfg.parallel;
+        let v = p.virtual_stages;
+        let n = model.num_segments();
+        let layers = shape.n_layers as usize;
+        if n != layers + 2 {
+            return Err(TrainError::config(
+                "RunConfig.parallel.pp",
+                format!(
+                    "a pipeline cuts a model of an embedding, {layers} blocks and a head \
+                     ({} segments); this model runs as {n} segments and cannot be split",
+                    layers + 2
+                ),
+            ));
+        }
+        let spec = PipelineSpec {
+            stages: p.pp,
+            virtual_stages: v,
+            micro_batches: cfg.train.accumulation,
+        };
+        let schedule =
+            Schedule::build(p.pp_schedule, spec).map_err(kiln_parallel::ParallelError::from)?;
+        let stages = stage_segments(shape, p.pp * v, &StageSplit::Balanced)?;
+        let chunks: Vec<_> = (0..v)
+            .map(|c| stages[spec.stage_of(pp_rank, c)].clone())
+            .collect();
+        // which pipeline rank each segment is on, and so each parameter's holders
+        let rank_of_segment = |seg: usize| {
+            stages
+                .iter()
+                .position(|r| r.contains(&seg))
+                .map(|stage| spec.holder(stage).0)
+        };
+        let mut holders: std::collections::BTreeMap<String, Vec<usize>> = Default::default();
+        for (seg, list) in model.segment_param_lists().iter().enumerate() {
+            for (name, _) in list {
+                if let Some(r) = rank_of_segment(seg) {
+                    let h = holders.entry(name.clone()).or_default();
+                    if !h.contains(&r) {
+                        h.push(r);
+                    }
+                }
+            }
+        }
+        let mut tied = Vec::new();
+        let mut owner = std::collections::BTreeMap::new();
+        for (name, ranks) in holders {
+            if ranks.len() > 1 {
+                let ends = ranks.len() == 2 && ranks.contains(&0) && ranks.contains(&(p.pp - 1));
+                if !ends {
+                    return Err(TrainError::config(
+                        "RunConfig.parallel.pp",
+                        format!(
+                            "parameter {name} is read on pipeline ranks {ranks:?}: only the \
+                             first and the last stage may share one (a tied embedding)"
+                        ),
+                    ));
+                }
+                tied.push(name.clone());
+            }
+            owner.insert(name, ranks.iter().copied().min().unwrap_or(0));
+        }
+        Ok(StagePlan {
+            schedule,
+            chunks,
+            tied,
+            owner,
+        })
+    }
+
+    /// The model's parameter lists, splits and kinds restricted to this rank's chunks.
+    #[allow(clippy::type_complexity)]
+    fn filter<M: TrainModel>(
+        &self,
+        model: &M,
+    ) -> (
+        Vec<Vec<(String, candle_core::Var)>>,
+        Vec<(String, kiln_parallel::tp::TpSplit)>,
+        Vec<(String, kiln_optim::ParamKind)>,
+    ) {
+        let mut lists = model.segment_param_lists();
+        for (i, l) in lists.iter_mut().enumerate() {
+            if !self.chunks.iter().any(|c| c.contains(&i)) {
+                l.clear();
+            }
+        }
+        let held: std::collections::HashSet<String> =
+            lists.iter().flatten().map(|(n, _)| n.clone()).collect();
+        let splits = model
+            .param_splits()
+            .into_iter()
+            .filter(|(n, _)| held.contains(n))
+            .collect();
+        let kinds = model
+            .param_kinds()
+            .into_iter()
+            .filter(|(n, _)| held.contains(n))
+            .collect();
+        (lists, splits, kinds)
+    }
 }

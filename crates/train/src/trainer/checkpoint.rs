@@ -14,8 +14,9 @@ impl<M: TrainModel> Trainer<M> {
     /// The reshard request of this rank's layout.
     pub(super) fn request(&self) -> Result<kiln_ckpt::ReshardRequest> {
         let p = &self.cfg.parallel;
-        let mut req = kiln_ckpt::ReshardRequest::new(Layout::new(p.dp, p.tp, p.zero)?)
-            .component("engine", &self.engine);
+        let mut req =
+            kiln_ckpt::ReshardRequest::new(Layout::new(p.dp, p.tp, p.zero)?.with_pp(p.pp)?)
+                .component("engine", &self.engine);
         if self.drift.is_some() {
             // replicated on every rank: the whole window, whatever its saved length
             req = req.part("drift", kiln_ckpt::Want::Full);

@@ -26,6 +26,8 @@ impl<M: TrainModel> Trainer<M> {
             ..self.loader_cfg.clone()
         };
         let mut val = DataLoader::new(self.val_sources.clone(), None, cfg)?;
+        // every stage's trained weights into every rank's model, which then runs whole
+        self.sync_pipeline_weights()?;
         let lists = self.model.segment_param_lists();
         let gathered: Option<std::collections::HashMap<String, Var>> =
             if self.engine.config().stage == ZeroStage::Zero3 {
@@ -80,6 +82,7 @@ impl<M: TrainModel> Trainer<M> {
     /// (collective over the data-parallel group). A no-op for the other stages, whose
     /// variables the engine updates after every step.
     pub fn materialize_weights(&self) -> Result<()> {
+        self.sync_pipeline_weights()?;
         if self.engine.config().stage != ZeroStage::Zero3 {
             return Ok(());
         }
@@ -97,31 +100,85 @@ impl<M: TrainModel> Trainer<M> {
         Ok(())
     }
 
+    /// Under pipeline parallelism each rank's engine trains its own stage's parameters:
+    /// this broadcasts every parameter from the pipeline rank that owns it over the pipeline
+    /// group, so that every rank's model holds the whole trained model (for evaluation,
+    /// generation and export; collective over the pipeline group). A no-op without a pipeline.
+    pub fn sync_pipeline_weights(&self) -> Result<()> {
+        let Some(sp) = &self.stage_plan else {
+            return Ok(());
+        };
+        let mut seen = std::collections::HashSet::new();
+        for (name, var) in self.model.segment_param_lists().into_iter().flatten() {
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            let owner = sp.owner.get(&name).copied().unwrap_or(0);
+            let mut values = var
+                .as_tensor()
+                .flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?;
+            self.pp.broadcast(&mut values, owner)?;
+            if self.pp.rank() != owner {
+                kiln_parallel::write_var(&var, &values)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Every parameter, whole (tensor-parallel shards joined), by name in layout order: the
-    /// same on every rank (collective over the world).
+    /// same on every rank (collective over the world). Under pipeline parallelism, every
+    /// stage's parameters in the model's order.
     pub fn dense_parameters(&self) -> Result<Vec<(String, Vec<f32>)>> {
-        let local = self.engine.full_params()?;
+        let local = match &self.stage_plan {
+            None => self.engine.full_params()?,
+            Some(_) => {
+                self.sync_pipeline_weights()?;
+                let mut seen = std::collections::HashSet::new();
+                let mut out = Vec::new();
+                for (name, var) in self.model.segment_param_lists().into_iter().flatten() {
+                    if seen.insert(name.clone()) {
+                        let v = var
+                            .as_tensor()
+                            .flatten_all()?
+                            .to_dtype(candle_core::DType::F32)?
+                            .to_vec1::<f32>()?;
+                        out.push((name, v));
+                    }
+                }
+                out
+            }
+        };
         let tp = self.dims.tp;
         if tp == 1 {
             return Ok(local);
         }
-        let layout = self.engine.layout();
+        // each parameter's split and shard shape, from the model (which lists every stage's)
+        let splits: std::collections::HashMap<String, kiln_parallel::tp::TpSplit> =
+            self.model.param_splits().into_iter().collect();
+        let shapes: std::collections::HashMap<String, Vec<usize>> = self
+            .model
+            .segment_param_lists()
+            .into_iter()
+            .flatten()
+            .map(|(n, v)| (n, v.as_tensor().dims().to_vec()))
+            .collect();
         let mut out = Vec::with_capacity(local.len());
         for (name, values) in local {
             let mut all = vec![0.0f32; values.len() * tp];
             self.tp.all_gather(&values, &mut all)?;
-            let split = layout
-                .index(&name)
-                .map_or(kiln_parallel::tp::TpSplit::Replicated, |i| {
-                    self.engine.param_splits()[i]
-                });
+            let split = splits
+                .get(&name)
+                .copied()
+                .unwrap_or(kiln_parallel::tp::TpSplit::Replicated);
             if split == kiln_parallel::tp::TpSplit::Replicated {
                 out.push((name, values));
                 continue;
             }
-            let shape = layout
-                .index(&name)
-                .map(|i| layout.params()[i].shape.clone())
+            let shape = shapes
+                .get(&name)
+                .cloned()
                 .unwrap_or_else(|| vec![values.len()]);
             let shards: Vec<Tensor> = all
                 .chunks(values.len())

@@ -128,6 +128,10 @@ pub struct Trainer<M: TrainModel = Gpt> {
     dp: Arc<dyn Communicator>,
     tp: Arc<dyn Communicator>,
     dims: ParallelDims,
+    /// The pipeline group (this rank alone without a pipeline).
+    pp: Arc<dyn Communicator>,
+    /// This rank's pipeline schedule and chunks, when `parallel.pp > 1`.
+    stage_plan: Option<builder::StagePlan>,
     model: M,
     engine: DataParallel,
     scaler: Box<dyn LossScaler>,

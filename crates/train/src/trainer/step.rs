@@ -154,7 +154,9 @@ impl<M: TrainModel> Trainer<M> {
         let micro = micro_batches(&batch, self.cfg.train.accumulation, self.engine.device())?;
         let lr_factor = self.breaker.as_ref().map_or(1.0, |b| b.lr_factor(step));
         let lr = (self.schedule.lr(self.progress.optimizer_steps) as f64 * lr_factor) as f32;
-        let tp_lead = self.dims.tp_rank(self.world.rank()) == 0;
+        // one rank per data-parallel replica counts the batch: tp rank 0 of the first stage
+        let tp_lead =
+            self.dims.tp_rank(self.world.rank()) == 0 && self.dims.pp_rank(self.world.rank()) == 0;
         let (tokens, samples) = if tp_lead {
             (batch.num_tokens() as u64, batch.batch_size as u64)
         } else {
@@ -164,9 +166,18 @@ impl<M: TrainModel> Trainer<M> {
         let last_ckpt = self.last_ckpt;
         // the open engine: backward, let the detectors and the breaker judge the step, then
         // apply or discard its update
-        let preview = self
-            .engine
-            .backward(&self.model, &micro, &mut *self.scaler)?;
+        let preview = match &self.stage_plan {
+            Some(sp) => self.engine.pipeline_step(
+                &self.model,
+                &sp.schedule,
+                &sp.chunks,
+                &micro,
+                &mut *self.scaler,
+            )?,
+            None => self
+                .engine
+                .backward(&self.model, &micro, &mut *self.scaler)?,
+        };
         let decision = match (self.detectors.as_mut(), self.breaker.as_mut()) {
             (Some(d), Some(b)) => {
                 let o = Observation {
