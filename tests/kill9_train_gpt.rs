@@ -180,10 +180,11 @@ struct Landing {
 fn kill_at(
     out: &Path,
     async_save: bool,
+    layout: &[&str],
     tag: &str,
     point: &dyn Fn(&Path, &Path) -> bool,
 ) -> Option<Landing> {
-    let (mut child, so, se) = start(out, async_save, &[], tag);
+    let (mut child, so, se) = start(out, async_save, layout, tag);
     let t = Instant::now();
     loop {
         if point(out, &se) {
@@ -212,8 +213,16 @@ fn kill_at(
 }
 
 /// Relaunches with `--resume` and checks the end against the reference; the resume point.
-fn resume_and_check(reference: &Path, out: &Path, async_save: bool, landing: &Landing, tag: &str) {
-    let stdout = run_to_end(out, async_save, &["--resume"], &format!("{tag}.resume"));
+fn resume_and_check(
+    reference: &Path,
+    out: &Path,
+    async_save: bool,
+    layout: &[&str],
+    landing: &Landing,
+    tag: &str,
+) {
+    let args: Vec<&str> = layout.iter().copied().chain(["--resume"]).collect();
+    let stdout = run_to_end(out, async_save, &args, &format!("{tag}.resume"));
     // no committed checkpoint yet: the relaunch starts from step 0 (and prints no resume line)
     let from: u64 = match stdout.split("resumed from the step-").nth(1) {
         Some(r) => r
@@ -297,7 +306,7 @@ fn kill_9_anywhere_then_resume_ends_bitwise_equal() {
     let m = EVERY + EVERY / 2;
     let out = dir.join("a-step");
     let at_step = move |_: &Path, se: &Path| last_step_line(se).is_some_and(|s| s >= m);
-    let l = kill_at(&out, false, "(a) step", &at_step).expect("the kill point was reached");
+    let l = kill_at(&out, false, &[], "(a) step", &at_step).expect("the kill point was reached");
     let inside = l.last_step.is_some_and(|s| {
         (m..STEPS).contains(&s) && l.tmp.is_empty() && l.committed.iter().all(|&c| c <= s)
     });
@@ -306,7 +315,7 @@ fn kill_9_anywhere_then_resume_ends_bitwise_equal() {
         inside,
         "(a): the kill did not land inside a step after step {m} between checkpoints: {l:?}"
     );
-    resume_and_check(&reference, &out, false, &l, "(a) step");
+    resume_and_check(&reference, &out, false, &[], &l, "(a) step");
     runs += 2;
     points += 1;
 
@@ -321,14 +330,14 @@ fn kill_9_anywhere_then_resume_ends_bitwise_equal() {
         let out = dir.join(format!("b-sync-{k}"));
         let tag = format!("(b) sync write of step {step}, try {}", k + 1);
         let point = move |o: &Path, _: &Path| tmp_dir(o, step).exists();
-        let l = kill_at(&out, false, &tag, &point).expect("the kill point was reached");
+        let l = kill_at(&out, false, &[], &tag, &point).expect("the kill point was reached");
         // a synchronous save runs before the step's console line: the loop waits in it
         let inside =
             l.tmp.contains(&step) && !l.committed.contains(&step) && l.last_step == Some(step - 1);
         landed += usize::from(inside);
         tries += 1;
         report(&tag, &l, inside);
-        resume_and_check(&reference, &out, false, &l, &tag);
+        resume_and_check(&reference, &out, false, &[], &l, &tag);
         runs += 2;
     }
     points += 1;
@@ -351,14 +360,14 @@ fn kill_9_anywhere_then_resume_ends_bitwise_equal() {
             let shown = last_step_line(se).unwrap_or(0);
             tmp.iter().any(|&k| k <= shown)
         };
-        let Some(l) = kill_at(&out, true, &tag, &point) else {
+        let Some(l) = kill_at(&out, true, &[], &tag, &point) else {
             continue;
         };
         let inside = l.tmp.iter().any(|&k| {
             !l.committed.contains(&k) && k % EVERY == 0 && l.last_step.is_some_and(|s| s >= k)
         });
         report(&tag, &l, inside);
-        resume_and_check(&reference, &out, true, &l, &tag);
+        resume_and_check(&reference, &out, true, &[], &l, &tag);
         runs += 2;
         if inside {
             async_landed = Some(l);
@@ -375,7 +384,7 @@ fn kill_9_anywhere_then_resume_ends_bitwise_equal() {
     let step = 2 * EVERY;
     let out = dir.join("d-commit");
     let point = move |o: &Path, _: &Path| checkpoint_dir(o, step).exists();
-    let l = kill_at(&out, false, "(d) commit", &point).expect("the kill point was reached");
+    let l = kill_at(&out, false, &[], "(d) commit", &point).expect("the kill point was reached");
     let inside = l.committed.last() == Some(&step)
         && l.tmp.is_empty()
         && l.last_step.is_some_and(|s| s < step + EVERY);
@@ -385,7 +394,7 @@ fn kill_9_anywhere_then_resume_ends_bitwise_equal() {
         "(d): the kill did not land right after the commit of step {step} (before the next \
          checkpoint's write): {l:?}"
     );
-    resume_and_check(&reference, &out, false, &l, "(d) commit");
+    resume_and_check(&reference, &out, false, &[], &l, "(d) commit");
     runs += 2;
     points += 1;
 
@@ -411,5 +420,78 @@ fn report(tag: &str, landing: &Landing, inside: bool) {
         } else {
             "missed the point"
         }
+    );
+}
+
+/// The same job as a pipeline: `tiny` as tp=2 x pp=2 (1F1B over 2 micro-batches per step),
+/// ZeRO-1, fp16 with the moving loss scale, asynchronous saves. SIGKILLed inside a step between
+/// checkpoints and inside an asynchronous save, then resumed: the losses and every checkpoint
+/// file equal the uninterrupted pipeline run's, byte for byte.
+#[test]
+fn kill_9_of_a_pipeline_run_then_resume_ends_bitwise_equal() {
+    let t0 = Instant::now();
+    let layout = ["--dp", "1", "--tp", "2", "--pp", "2", "--accumulation", "2"];
+    let dir = work_dir("kiln-kill9-train-gpt-pp2");
+    let reference = dir.join("reference");
+    let stdout = run_to_end(&reference, true, &layout, "pp2 reference");
+    assert!(stdout.contains("x pp=2 (1f1b)"), "{stdout}");
+    assert_eq!(
+        loss_bits(&reference).len() as u64,
+        STEPS,
+        "one record per step"
+    );
+
+    // inside a step, between checkpoints, once a checkpoint is committed (the resume then
+    // starts from it, not from step 0)
+    let m = EVERY + EVERY / 2;
+    let out = dir.join("a-step");
+    let at_step = move |o: &Path, se: &Path| {
+        last_step_line(se).is_some_and(|s| s >= m) && !checkpoint_steps(o).0.is_empty()
+    };
+    let l =
+        kill_at(&out, true, &layout, "pp2 (a) step", &at_step).expect("the kill point was reached");
+    let inside = l.last_step.is_some_and(|s| {
+        (m..STEPS).contains(&s)
+            && l.tmp.is_empty()
+            && !l.committed.is_empty()
+            && l.committed.iter().all(|&c| c <= s)
+    });
+    report("pp2 (a) after step line", &l, inside);
+    assert!(
+        inside,
+        "pp2 (a): the kill did not land inside a step: {l:?}"
+    );
+    resume_and_check(&reference, &out, true, &layout, &l, "pp2 (a) step");
+
+    // inside an asynchronous save while the loop went on
+    let mut landed = None;
+    for k in 1..=ASYNC_TRIES {
+        let out = dir.join(format!("c-async-{k}"));
+        let tag = format!("pp2 (c) async, try {k}");
+        let point = |o: &Path, se: &Path| {
+            let (_, tmp) = checkpoint_steps(o);
+            let shown = last_step_line(se).unwrap_or(0);
+            tmp.iter().any(|&s| s <= shown)
+        };
+        let Some(l) = kill_at(&out, true, &layout, &tag, &point) else {
+            continue;
+        };
+        let inside = l.tmp.iter().any(|&s| {
+            !l.committed.contains(&s) && s % EVERY == 0 && l.last_step.is_some_and(|x| x >= s)
+        });
+        report(&tag, &l, inside);
+        resume_and_check(&reference, &out, true, &layout, &l, &tag);
+        if inside {
+            landed = Some(l);
+            break;
+        }
+    }
+    assert!(
+        landed.is_some(),
+        "pp2 (c): no kill landed inside an asynchronous save"
+    );
+    println!(
+        "pp2 kill points landed where they say and resumed bitwise, in {:.1?}",
+        t0.elapsed()
     );
 }

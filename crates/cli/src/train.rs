@@ -41,6 +41,15 @@ pub struct TrainArgs {
     /// Tensor-parallel degree: parallel.tp
     #[arg(long, value_name = "N")]
     pub tp: Option<usize>,
+    /// Pipeline-parallel degree (stages): parallel.pp
+    #[arg(long, value_name = "N")]
+    pub pp: Option<usize>,
+    /// Pipeline schedule, gpipe, 1f1b, interleaved or zb_h1: parallel.pp_schedule
+    #[arg(long, value_name = "SCHEDULE")]
+    pub pp_schedule: Option<String>,
+    /// Model chunks per pipeline rank (interleaved schedule): parallel.virtual_stages
+    #[arg(long, value_name = "V")]
+    pub virtual_stages: Option<usize>,
     /// ZeRO stage 0-3: parallel.zero
     #[arg(long, value_name = "STAGE")]
     pub zero: Option<u8>,
@@ -94,6 +103,9 @@ impl TrainArgs {
         push("steps", self.steps.map(|v| v.to_string()));
         push("dp", self.dp.map(|v| v.to_string()));
         push("tp", self.tp.map(|v| v.to_string()));
+        push("pp", self.pp.map(|v| v.to_string()));
+        push("pp_schedule", self.pp_schedule.clone());
+        push("virtual_stages", self.virtual_stages.map(|v| v.to_string()));
         push("zero", self.zero.map(|v| v.to_string()));
         push("precision", self.precision.clone());
         push("backend", self.backend.clone());
@@ -232,7 +244,25 @@ pub fn header(label: &str, cfg: &RunConfig) -> anyhow::Result<String> {
         },
         cfg.parallel.dp,
         cfg.parallel.tp,
-        if cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 { " (sequence-parallel)" } else { "" },
+        {
+            let mut extra = String::new();
+            if cfg.parallel.sequence_parallel && cfg.parallel.tp > 1 {
+                extra.push_str(" (sequence-parallel)");
+            }
+            if cfg.parallel.pp > 1 {
+                extra.push_str(&format!(
+                    " x pp={} ({}{})",
+                    cfg.parallel.pp,
+                    cfg.parallel.pp_schedule,
+                    if cfg.parallel.virtual_stages > 1 {
+                        format!(", {} chunks per rank", cfg.parallel.virtual_stages)
+                    } else {
+                        String::new()
+                    }
+                ));
+            }
+            extra
+        },
         cfg.parallel.zero.number(),
         cfg.precision.compute,
         if cfg.precision.compute == kiln_precision::ComputeDType::F32 { "" } else { " with dynamic loss scaling" },

@@ -20,7 +20,6 @@ const ALIASES: &[(&str, &str)] = &[
     ("zero", "parallel.zero"),
     ("pp", "parallel.pp"),
     ("pp_schedule", "parallel.pp_schedule"),
-    ("schedule", "parallel.pp_schedule"),
     ("virtual_stages", "parallel.virtual_stages"),
     ("backend", "parallel.backend"),
     ("sequence_parallel", "parallel.sequence_parallel"),

@@ -17,13 +17,26 @@ impl<M: TrainModel> Trainer<M> {
             EventKind::Info,
             self.progress.step,
             format!(
-                "{}: model {} ({:.2}M parameters per tp rank), dp={} tp={} zero={}, {}, \
+                "{}: model {} ({:.2}M parameters per {}), dp={} tp={}{} zero={}, {}, \
                  micro-batch {} x {} accumulation x seq {}, {} steps",
                 c.name,
                 c.model.preset,
                 params as f64 / 1e6,
+                if c.parallel.pp > 1 {
+                    "stage and tp rank on rank 0"
+                } else {
+                    "tp rank"
+                },
                 c.parallel.dp,
                 c.parallel.tp,
+                if c.parallel.pp > 1 {
+                    format!(
+                        " pp={} ({}, {} chunk(s) per rank)",
+                        c.parallel.pp, c.parallel.pp_schedule, c.parallel.virtual_stages
+                    )
+                } else {
+                    String::new()
+                },
                 c.parallel.zero.number(),
                 c.precision.compute,
                 c.train.micro_batch,
