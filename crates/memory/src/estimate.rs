@@ -14,9 +14,11 @@
 //! outputs (4·s·b·h elements, replicated under tensor parallelism), QKV, the attention output and
 //! the two MLP activations (12·s·b·h / t) and the attention scores and probabilities
 //! (2·a·s²·b / t), where s is the sequence length, b the micro-batch, h the model width, a the
-//! number of heads and t the tensor-parallel degree. Korthikanti et al. (2022) count
-//! 34·s·b·h + 5·a·s²·b bytes for Megatron's block in 16-bit with dropout; kiln's block has no
-//! dropout masks. With activation recomputation a recomputed block keeps only its input (s·b·h),
+//! number of heads and t the tensor-parallel degree. In 16-bit that is 32·s·b·h + 4·a·s²·b
+//! bytes per layer at t = 1: Korthikanti et al.'s (2022, "Reducing Activation Recomputation in
+//! Large Transformer Models", section 4.1) 34·s·b·h + 5·a·s²·b for Megatron's block less its
+//! dropout masks (one byte per element: 2·s·b·h after attention and the MLP, a·s²·b on the
+//! attention probabilities), which kiln's block does not have. With activation recomputation a recomputed block keeps only its input (s·b·h),
 //! and one recomputed block's activations exist at a time, during its recomputation; the
 //! blocks a [`RecomputePolicy`] leaves alone keep all of theirs. Under sequence parallelism
 //! ([`MemoryPlan::sequence_parallel`], with t > 1) the replicated part is split as well:
@@ -25,6 +27,16 @@
 //! ([`RecomputePolicy::Selective`]) keeps its LayerNorm inputs (2·s·b·h / rep), QKV, the
 //! attention output and the MLP's first product (8·s·b·h / t): the LayerNorm outputs, the GELU
 //! output and the attention scores are computed again (kiln's fused attention keeps no scores).
+//!
+//! Under pipeline parallelism ([`MemoryPlan::estimate_stage`] with a [`PipelinePlan`]) a rank
+//! holds its stage's parameters and the activations of the micro-batches its schedule keeps in
+//! flight: GPipe all `m`, 1F1B `min(p - rank, m)`, ZB-H1 `min(p, m)`, interleaved Megatron-LM's
+//! warm-up plus one (`p v + p - 1` chunks on rank 0); the first stage thus keeps L layers'
+//! worth of activations under 1F1B, Korthikanti et al.'s section 4.2.3 ([`PipelinePlan`] has the count).
+
+mod pipeline;
+
+pub use pipeline::{PipelinePlan, PipelineSchedule, StageEstimate};
 
 use crate::error::{MemoryError, Result};
 use crate::segment::RecomputePolicy;
@@ -220,16 +232,9 @@ impl MemoryPlan {
     pub fn estimate(&self) -> Result<MemoryEstimate> {
         self.validate()?;
         let psi = self.shape.params_per_tp_rank(self.tp);
-        let c = self.precision.compute_bytes();
         let (weights, grads, optimizer) =
             Self::model_state_split(psi, self.precision, self.stage, self.dp);
-        let comm_buffers = match self.stage {
-            // one bucket being reduced while the next fills
-            ZeroStage::Replicated | ZeroStage::Zero1 => 2 * self.bucket_bytes,
-            // reduce-scatter input bucket plus the gathered parameters of one block
-            ZeroStage::Zero2 => 2 * self.bucket_bytes,
-            ZeroStage::Zero3 => 2 * self.bucket_bytes + c * self.block_params_per_rank() * 2,
-        };
+        let comm_buffers = self.comm_buffer_bytes();
         Ok(MemoryEstimate {
             params_per_rank: psi,
             weights,
@@ -272,39 +277,79 @@ impl MemoryPlan {
         })
     }
 
+    /// Gradient buckets, and under ZeRO-3 the gathered parameters of one block.
+    fn comm_buffer_bytes(&self) -> u64 {
+        let c = self.precision.compute_bytes();
+        match self.stage {
+            // one bucket being reduced while the next fills
+            ZeroStage::Replicated | ZeroStage::Zero1 => 2 * self.bucket_bytes,
+            // reduce-scatter input bucket plus the gathered parameters of one block
+            ZeroStage::Zero2 => 2 * self.bucket_bytes,
+            ZeroStage::Zero3 => 2 * self.bucket_bytes + c * self.block_params_per_rank() * 2,
+        }
+    }
+
     fn block_params_per_rank(&self) -> u64 {
         let h = self.shape.d_model;
         (12 * h * h + 7 * h) / self.tp + 6 * h
     }
 
-    /// Activation bytes of one micro-batch (see the module docs for the count).
-    pub fn activation_bytes(&self) -> u64 {
+    /// What one micro-batch keeps, by part (see the module docs).
+    fn activation_terms(&self) -> ActivationTerms {
         let s = &self.shape;
         let (sq, b, h, a, t) = (s.ctx, self.micro_batch, s.d_model, s.n_heads, self.tp);
         let c = self.precision.compute_bytes();
         // what every tensor-parallel rank holds whole, unless the rows are split
         let rep = if self.sequence_parallel { t } else { 1 };
-        let per_layer =
-            c * (s.ctx * b * h * 4 / rep + s.ctx * b * h * 12 / t + 2 * a * sq * sq * b / t);
-        let layer_input = c * sq * b * h / rep;
+        ActivationTerms {
+            per_layer: c * (sq * b * h * 4 / rep + sq * b * h * 12 / t + 2 * a * sq * sq * b / t),
+            layer_input: c * sq * b * h / rep,
+            // LayerNorm inputs, QKV, the attention output and the MLP's first product
+            selective_kept: c * (sq * b * h * 2 / rep + sq * b * h * 8 / t),
+            embedding_output: c * sq * b * h / rep,
+            // logits (vocab-parallel), and with their gradient
+            logits: c * sq * b * s.vocab / t,
+            logits_pair: 2 * c * sq * b * s.vocab / t,
+        }
+    }
+
+    /// Activation bytes of one micro-batch (see the module docs for the count).
+    pub fn activation_bytes(&self) -> u64 {
+        let s = &self.shape;
+        let a = self.activation_terms();
         // embedding output, logits and their gradient (vocab-parallel)
-        let ends = c * sq * b * h / rep + 2 * c * sq * b * s.vocab / t;
+        let ends = a.embedding_output + a.logits_pair;
         let recomputed = self.recompute.recomputed_blocks(s.n_layers);
         let selective = self.recompute.selective_blocks(s.n_layers);
         if selective > 0 {
             // a selective block keeps its LayerNorm inputs, QKV, the attention output and the
             // MLP's first product; the LayerNorm outputs and the GELU output are computed
             // again, and kiln's fused attention keeps no scores
-            let kept = c * (s.ctx * b * h * 2 / rep + s.ctx * b * h * 8 / t);
-            return selective * kept + (s.n_layers - selective) * per_layer + ends;
+            return selective * a.selective_kept + (s.n_layers - selective) * a.per_layer + ends;
         }
         if recomputed == 0 {
-            return s.n_layers * per_layer + ends;
+            return s.n_layers * a.per_layer + ends;
         }
         // the recomputed blocks' inputs, the other blocks' activations, and one recomputed
         // block's activations while it runs again
-        recomputed * layer_input + (s.n_layers - recomputed) * per_layer + per_layer + ends
+        recomputed * a.layer_input + (s.n_layers - recomputed) * a.per_layer + a.per_layer + ends
     }
+}
+
+/// The parts of one micro-batch's activations, in bytes.
+struct ActivationTerms {
+    /// A block that keeps everything.
+    per_layer: u64,
+    /// A recomputed block (its input).
+    layer_input: u64,
+    /// A selectively recomputed block.
+    selective_kept: u64,
+    /// The embedding output (first stage).
+    embedding_output: u64,
+    /// The logits (last stage).
+    logits: u64,
+    /// The logits and their gradient.
+    logits_pair: u64,
 }
 
 #[cfg(test)]

@@ -10,12 +10,15 @@
 //!   computed again where the backward needs them, [`tape::Thinned`]). Gradients equal a
 //!   whole-model `backward()`.
 //! - [`MemoryPlan::estimate`] gives bytes per rank for weights, gradients, optimizer states
-//!   (the ZeRO paper's formulas), activations and communication buffers.
+//!   (the ZeRO paper's formulas), activations and communication buffers;
+//!   [`MemoryPlan::estimate_stage`] those of one pipeline rank under a [`PipelinePlan`] (its
+//!   stage's parameters, the micro-batches its [`PipelineSchedule`] holds in flight).
 //! - [`DynamicBatch`] picks the largest micro-batch that fits a budget and adapts to
 //!   out-of-memory and headroom reports while the global batch stays constant.
 //!
 //! ```
-//! use kiln_memory::{RecomputePolicy, MemPrecision, MemoryPlan, ModelShape, ZeroStage};
+//! use kiln_memory::{MemPrecision, MemoryPlan, ModelShape, PipelinePlan, PipelineSchedule};
+//! use kiln_memory::{RecomputePolicy, ZeroStage};
 //! let shape = ModelShape { n_layers: 96, d_model: 12288, n_heads: 96, ctx: 2048, vocab: 50257 };
 //! let plan = MemoryPlan {
 //!     shape, precision: MemPrecision::Mixed16, stage: ZeroStage::Zero3,
@@ -26,6 +29,13 @@
 //! // ZeRO-3: 16 bytes per parameter (2 + 2 + 12) spread over 64 ranks: about 43.6 GB each
 //! let want = 16.0 * shape.params() as f64 / 64.0;
 //! assert!((e.model_states() as f64 - want).abs() < 4.0);
+//! // 16 pipeline stages of 6 blocks under 1F1B: rank 0 holds 16 micro-batches in flight, the
+//! // last one; together they hold the model and the tied embedding's copy
+//! let pipe = PipelinePlan::new(16, 1, 64, PipelineSchedule::OneFOneB);
+//! let stages = plan.estimate_pipeline(&pipe)?;
+//! assert_eq!((stages[0].blocks, stages[0].in_flight, stages[15].in_flight), (6, 16, 1));
+//! let held: u64 = stages.iter().map(|s| s.memory.params_per_rank).sum();
+//! assert_eq!(held, shape.params() + shape.vocab * shape.d_model);
 //! # Ok::<(), kiln_memory::MemoryError>(())
 //! ```
 #![deny(missing_docs)]
@@ -40,7 +50,10 @@ pub mod tape;
 pub use batch::MicroBatch;
 pub use dynamic_batch::DynamicBatch;
 pub use error::{BoxError, MemoryError, Result};
-pub use estimate::{MemPrecision, MemoryEstimate, MemoryPlan, ModelShape};
+pub use estimate::{
+    MemPrecision, MemoryEstimate, MemoryPlan, ModelShape, PipelinePlan, PipelineSchedule,
+    StageEstimate,
+};
 pub use kiln_state::ZeroStage;
 pub use segment::{
     Backwarded, CollectGrads, Executor, Forwarded, GradHook, ParamProvider, Phase, RecomputePolicy,
