@@ -18,8 +18,9 @@
 //! reported on every rank), the global gradient norms, and every parameter of its stage (the
 //! tied embedding on both ends).
 //!
-//! Measured on the 2-core test machine (release build, the build not counted): the references
-//! about 10 s, `-np 4` about 40 s, `-np 8` about 40 s; the whole test about 1.5 minutes.
+//! Measured on the 2-core test machine (release build, the build not counted): 52 s in all (the
+//! references 9 s and 8 s, `-np 4` 18 s, `-np 8` 16 s); 84 s while other builds loaded the
+//! machine (load average 6, and 3 steps at `-np 8`).
 //!
 //! `cargo test --release --features mpi --test mpi_pipeline`. Without mpirun it says so and
 //! passes, except under `CI=true`.
