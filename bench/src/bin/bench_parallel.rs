@@ -9,8 +9,9 @@
 //! Then one line per pipeline schedule at pp=2 (`pp2_gpipe`, `pp2_1f1b`, `pp2_interleaved` with
 //! v=2, `pp2_zb_h1`), m=8 micro-batches of one sequence (the same global batch): tokens/s, the
 //! measured bubble (`1 - sum of the ranks' compute / (ranks x step)`, from each rank's
-//! [`PipelineTrace`], median over the steps) against theory ([`theoretical_bubble`]) and against
-//! the simulator run with the forward and backward times measured in the traces; per rank the
+//! `kiln_parallel::PipelineTrace`, median over the steps) against theory
+//! (`kiln_parallel::pipeline::theoretical_bubble`) and against the simulator run with the
+//! forward and backward times measured in the traces; per rank the
 //! most micro-batches in flight against the schedule's; and per rank the peak activation memory
 //! (the live heap bytes one micro-batch's forward of each stage keeps, its received input
 //! included, counted by this binary's allocator, times the micro-batches in flight) against
