@@ -6,12 +6,68 @@
 //! machine's cores, so on a 2-core machine dp=2 cannot be faster than dp=1 per token: the numbers
 //! compare the strategies' overheads with each other, at the same global batch.
 //!
+//! Then one line per pipeline schedule at pp=2 (`pp2_gpipe`, `pp2_1f1b`, `pp2_interleaved` with
+//! v=2, `pp2_zb_h1`), m=8 micro-batches of one sequence (the same global batch): tokens/s, the
+//! measured bubble (`1 - sum of the ranks' compute / (ranks x step)`, from each rank's
+//! `kiln_parallel::PipelineTrace`, median over the steps) against theory
+//! (`kiln_parallel::pipeline::theoretical_bubble`) and against the simulator run with the
+//! forward and backward times measured in the traces; per rank the
+//! most micro-batches in flight against the schedule's; and per rank the peak activation memory
+//! (the live heap bytes one micro-batch's forward of each stage keeps, its received input
+//! included, counted by this binary's allocator, times the micro-batches in flight) against
+//! kiln-memory's estimate (`MemoryPlan::activation_bytes` per block, the embedding output on the
+//! first stage and the logits on the last, times the schedule's in-flight count). pp=2 only:
+//! on 2 cores, 4 stages would time-share the cores and the measured bubble would be the
+//! scheduler's.
+//!
 //! Run: `cargo run --release -p kiln-bench --bin bench_parallel` (`-- --steps N`, `--preset tiny`,
 //! `--dtype f16|bf16` for the compute dtype, `--only dp2_tp2_zero1` for one configuration).
 
-// freed activation-sized blocks are kept for the next step instead of page-faulted back in
+use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// kiln's allocator (freed activation-sized blocks kept for the next step instead of
+/// page-faulted back in), counting the live bytes for the activation-memory rows.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call is forwarded to KilnAlloc unchanged; the counter only reads the sizes
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded
+        let p = unsafe { kiln_train::alloc::KilnAlloc.alloc(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded
+        let p = unsafe { kiln_train::alloc::KilnAlloc.alloc_zeroed(layout) };
+        if !p.is_null() {
+            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: forwarded
+        unsafe { kiln_train::alloc::KilnAlloc.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded
+        let p = unsafe { kiln_train::alloc::KilnAlloc.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE.fetch_add(new_size, Ordering::Relaxed);
+            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+}
+
 #[global_allocator]
-static GLOBAL: kiln_train::alloc::KilnAlloc = kiln_train::alloc::KilnAlloc;
+static GLOBAL: Counting = Counting;
 
 use candle_core::{Device, Tensor};
 use kiln_comm::{spawn, Communicator, ThreadComm};
@@ -20,6 +76,9 @@ use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, ZeroStage};
 use kiln_precision::NoScaler;
 use std::sync::Arc;
 use std::time::Instant;
+
+#[path = "bench_parallel/pipeline.rs"]
+mod pipeline;
 
 struct Case {
     name: &'static str,
@@ -49,9 +108,25 @@ struct Args {
     #[arg(long, value_name = "DTYPE", default_value = "f32")]
     dtype: String,
     /// Only the case of this name
-    #[arg(long, value_name = "CASE")]
+    #[arg(long, value_name = "CASE", value_parser = clap::builder::PossibleValuesParser::new(CASE_NAMES))]
     only: Option<String>,
 }
+
+/// Every case, as `--only` takes it: the data- and tensor-parallel rows, then the pipeline's.
+const CASE_NAMES: [&str; 12] = [
+    "dp1",
+    "dp2_overlap",
+    "dp2_no_overlap",
+    "dp2_zero1",
+    "dp2_zero2",
+    "dp2_zero3",
+    "tp2",
+    "dp2_tp2_zero1",
+    "pp2_gpipe",
+    "pp2_1f1b",
+    "pp2_interleaved",
+    "pp2_zb_h1",
+];
 
 fn main() -> anyhow::Result<()> {
     let args = <Args as clap::Parser>::parse();
@@ -194,6 +269,13 @@ fn main() -> anyhow::Result<()> {
             c.overlap,
             tokens / step_s
         );
+    }
+    for c in pipeline::CASES {
+        if only.as_deref().is_some_and(|o| o != c.name) {
+            continue;
+        }
+        let line = pipeline::run(&c, &cfg, &preset, dtype, steps, global_batch, seq)?;
+        println!("{line}");
     }
     Ok(())
 }
