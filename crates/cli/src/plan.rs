@@ -45,7 +45,7 @@ pub struct PlanArgs {
     /// Split the activations tensor parallelism replicates over the tp ranks too
     #[arg(long)]
     pub sequence_parallel: bool,
-    /// Activation recomputation (none, every_block, every_<k>, selective, selective_<k>)
+    /// Activation recomputation (none, every_block, every_K, selective or selective_K)
     #[arg(long, value_name = "POLICY", default_value = "every_block")]
     pub recompute: RecomputePolicy,
     /// Pipeline-parallel degree: print each pipeline rank's memory instead of the ZeRO table
