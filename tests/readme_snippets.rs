@@ -10,9 +10,10 @@
 //! `kiln = { path = "<this workspace>" }`, its `Cargo.lock` is the workspace's (the same
 //! versions), and it is built with `cargo build --release --offline` (no test touches the
 //! network: the workspace's own build has filled the registry) into the target folder this
-//! test was built in, with the workspace's release profile: the registry crates the workspace
-//! build has compiled are reused as they are, and only kiln's own crates compile again (about
-//! 2 minutes on 2 cores; a target folder of its own compiled everything again, 11.5 minutes).
+//! test was built in, with the workspace's release profile and the workspace's feature set of
+//! the registry crates: those the workspace build has compiled are reused as they are, and only
+//! kiln's own crates compile again (about 1.5 minutes on 2 cores; a target folder of its own
+//! compiled everything again, 11.5 minutes).
 //! Each snippet then runs with `cargo run --release --offline` from the crate's folder:
 //! - every snippet exits with status 0 (the communication snippet asserts its own numbers);
 //! - the trainer snippet prints a validation loss at least 1.5 nats below ln(vocabulary), the
@@ -143,12 +144,14 @@ fn scratch_crate(snippets: &[String]) -> Result<(PathBuf, PathBuf)> {
     let path = path.to_str().context("non-UTF-8 workspace path")?;
     // what `cargo new` writes, the dependency, and the workspace's release profile (so the
     // registry crates are the workspace build's); `[workspace]` keeps it a workspace of its
-    // own wherever the temporary folder is
+    // own wherever the temporary folder is. clap with `derive`, which no snippet uses, gives
+    // the registry crates the workspace's features (kiln-cli's clap turns on syn's `full`,
+    // which every serde-derived crate below candle sees): without it they compile again
     let profile = release_profile(&std::fs::read_to_string(repo().join("Cargo.toml"))?);
     let manifest = format!(
         "[package]\nname = \"readme-snippets\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\
-         publish = false\n\n[dependencies]\nkiln = {{ path = {path:?} }}\n\n{profile}\n\
-         [workspace]\n"
+         publish = false\n\n[dependencies]\nkiln = {{ path = {path:?} }}\n\
+         clap = {{ version = \"4\", features = [\"derive\"] }}\n\n{profile}\n[workspace]\n"
     );
     std::fs::write(app.join("Cargo.toml"), manifest)?;
     std::fs::copy(repo_lock()?, app.join("Cargo.lock"))?;
