@@ -4,8 +4,9 @@
 //! against the one-stage pipeline with the same dp and tp, computed on thread ranks.
 //!
 //! The cases (the `PipeRun`s of `pipeline_gpt.rs`, the thread suite):
-//! - `mpirun -np 4`: pp 4 with 1F1B and with ZB-H1 (against one rank), dp 2 x pp 2 ZeRO-1 with
-//!   1F1B, and dp 2 x pp 2 ZeRO-1 interleaved with v = 2 (both against dp 2 ZeRO-1 at pp 1),
+//! - `mpirun -np 4`: pp 4 with GPipe, 1F1B, ZB-H1 and interleaved with v = 2 (the last on
+//!   `small_cpu` with 8 blocks, for its 8 model stages; each against one rank), and dp 2 x pp 2
+//!   ZeRO-1 with every schedule (interleaved with v = 2; each against dp 2 ZeRO-1 at pp 1),
 //!   5 steps each, one after the other in the same processes;
 //! - `mpirun -np 8`: dp 2 x tp 2 x pp 2 ZeRO-1 with 1F1B against dp 2 x tp 2 ZeRO-1 at pp 1,
 //!   5 steps too (8 processes share a 2-core machine four to one, and still finish in about
@@ -18,9 +19,10 @@
 //! reported on every rank), the global gradient norms, and every parameter of its stage (the
 //! tied embedding on both ends).
 //!
-//! Measured on the 2-core test machine (release build, the build not counted): 52 s in all (the
-//! references 9 s and 8 s, `-np 4` 18 s, `-np 8` 16 s); 84 s while other builds loaded the
-//! machine (load average 6, and 3 steps at `-np 8`).
+//! Measured on the 2-core test machine (release build, the build not counted), with nothing
+//! else running: 37 s in all (the references 3.8 s and 2.1 s, `-np 4` with its seven cases
+//! 21 s, `-np 8` 9 s). With four cases at `-np 4`, while other builds loaded the machine
+//! (load average 6), it took 84 s.
 //!
 //! `cargo test --release --features mpi --test mpi_pipeline`. Without mpirun it says so and
 //! passes, except under `CI=true`.
@@ -44,6 +46,8 @@ struct Case {
     name: &'static str,
     run: PipeRun,
     stage: ZeroStage,
+    /// Blocks of the `small_cpu` model (8 where pp x v is 8).
+    layers: usize,
 }
 
 impl Case {
@@ -57,13 +61,20 @@ impl Case {
         }
     }
 
-    /// The reference's file name: one per (dp, tp, ZeRO stage, steps).
+    /// The reference's file name: one per (dp, tp, ZeRO stage, steps, blocks).
     fn reference_file(&self) -> String {
         let r = self.reference();
         format!(
-            "ref_dp{}_tp{}_{:?}_s{}.bin",
-            r.dp, r.tp, self.stage, r.steps
+            "ref_dp{}_tp{}_{:?}_s{}_l{}.bin",
+            r.dp, r.tp, self.stage, r.steps, self.layers
         )
+    }
+
+    /// `small_cpu` with this case's blocks.
+    fn config(&self) -> GptConfig {
+        let mut cfg = GptConfig::small_cpu();
+        cfg.n_layers = self.layers;
+        cfg
     }
 }
 
@@ -86,34 +97,63 @@ fn run(dp: usize, tp: usize, pp: usize, kind: ScheduleKind, steps: usize) -> Pip
 
 /// The cases of `mpirun -np np`.
 fn cases(np: usize) -> Vec<Case> {
-    use ScheduleKind::{Interleaved, OneFOneB, ZbH1};
+    use ScheduleKind::{GPipe, Interleaved, OneFOneB, ZbH1};
     match np {
         4 => vec![
+            Case {
+                name: "gpipe pp4",
+                run: run(1, 1, 4, GPipe, 5),
+                stage: ZeroStage::Replicated,
+                layers: 4,
+            },
             Case {
                 name: "1f1b pp4",
                 run: run(1, 1, 4, OneFOneB, 5),
                 stage: ZeroStage::Replicated,
+                layers: 4,
             },
             Case {
                 name: "zb_h1 pp4",
                 run: run(1, 1, 4, ZbH1, 5),
                 stage: ZeroStage::Replicated,
+                layers: 4,
+            },
+            Case {
+                name: "interleaved v2 pp4 (8 blocks)",
+                run: run(1, 1, 4, Interleaved, 5),
+                stage: ZeroStage::Replicated,
+                layers: 8,
             },
             Case {
                 name: "1f1b dp2 x pp2 ZeRO-1",
                 run: run(2, 1, 2, OneFOneB, 5),
                 stage: ZeroStage::Zero1,
+                layers: 4,
+            },
+            Case {
+                name: "gpipe dp2 x pp2 ZeRO-1",
+                run: run(2, 1, 2, GPipe, 5),
+                stage: ZeroStage::Zero1,
+                layers: 4,
+            },
+            Case {
+                name: "zb_h1 dp2 x pp2 ZeRO-1",
+                run: run(2, 1, 2, ZbH1, 5),
+                stage: ZeroStage::Zero1,
+                layers: 4,
             },
             Case {
                 name: "interleaved v2 dp2 x pp2 ZeRO-1",
                 run: run(2, 1, 2, Interleaved, 5),
                 stage: ZeroStage::Zero1,
+                layers: 4,
             },
         ],
         8 => vec![Case {
             name: "1f1b dp2 x tp2 x pp2 ZeRO-1",
             run: run(2, 2, 2, OneFOneB, 5),
             stage: ZeroStage::Zero1,
+            layers: 4,
         }],
         _ => Vec::new(),
     }
@@ -178,7 +218,7 @@ fn driver() {
 /// The one-stage reference of `c`, on thread ranks.
 fn reference(c: &Case) -> Vec<PipeRankRun> {
     let r = c.reference();
-    let cfg = GptConfig::small_cpu();
+    let cfg = c.config();
     let stage = c.stage;
     run_ranks(r.dp * r.tp, |comm: ThreadComm| {
         let w: Arc<dyn Communicator> = Arc::new(comm);
@@ -194,10 +234,9 @@ fn rank(role: &str) {
     let mpi = Mpi::init().unwrap();
     let world: Arc<dyn Communicator> = Arc::new(mpi.world(MpiCommConfig::default()).unwrap());
     let r = world.rank();
-    let cfg = GptConfig::small_cpu();
     for c in cases(np) {
         let t = Instant::now();
-        let outcome = train_pipeline_rank(world.clone(), &cfg, c.run, dpc(c.stage), None)
+        let outcome = train_pipeline_rank(world.clone(), &c.config(), c.run, dpc(c.stage), None)
             .map_err(|e| format!("{e:#}"))
             .and_then(|got| {
                 let want = read_runs(&refs.join(c.reference_file()))?;
@@ -363,6 +402,7 @@ fn read_runs(path: &Path) -> Result<Vec<PipeRankRun>, String> {
             losses,
             norms,
             skipped: Vec::new(),
+            weight_segments: 0,
         });
     }
     if r.at != buf.len() {

@@ -1,6 +1,7 @@
 //! Pipeline parallelism on the GPT model, on thread ranks: every schedule at pp = 2 and 4 gives
 //! bitwise the losses, gradient norms and parameters of the one-stage pipeline with the same
-//! micro-batches (f32, `small_cpu`, tied embeddings, 5 steps); dp 2 x pp 2 with ZeRO-1 and
+//! micro-batches (f32, `small_cpu`, tied embeddings, 5 steps; interleaved at pp = 4 on
+//! `small_cpu` with 8 blocks, since 4 ranks of 2 chunks are 8 model stages); dp 2 x pp 2 with ZeRO-1 and
 //! dp 2 x tp 2 x pp 2 equal their one-stage layouts; dp 2 x tp 2 x pp 2 in fp16 with loss
 //! scaling tracks one rank, and an overflow injected on one stage skips the step on every rank.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -140,8 +141,39 @@ fn every_schedule_at_pp2_and_pp4_equals_one_stage() {
     ] {
         let got = run(&cfg, base(pp, kind), dpc(ZeroStage::Replicated), None);
         assert_bitwise(&format!("{kind} pp={pp}"), &got, &reference);
+        // zero-bubble: every stage computes its linear layers' dW in the weight passes, one
+        // per block segment (and the head's) per micro-batch, none in the input pass
+        for r in &got {
+            let held = r.weight_segments;
+            if kind == ScheduleKind::ZbH1 {
+                assert!(
+                    held > 0,
+                    "{kind} pp={pp} stage {}: no dW held back",
+                    r.pp_rank
+                );
+            } else {
+                assert_eq!(held, 0, "{kind} pp={pp} stage {}", r.pp_rank);
+            }
+        }
         checked.push(format!("{kind} pp={pp}"));
     }
+    // interleaved at pp=4 with 2 chunks per rank runs 8 model stages: small_cpu with 8 blocks
+    let mut deep = GptConfig::small_cpu();
+    deep.n_layers = 8;
+    let deep_reference = run(
+        &deep,
+        base(1, ScheduleKind::OneFOneB),
+        dpc(ZeroStage::Replicated),
+        None,
+    );
+    let got = run(
+        &deep,
+        base(4, ScheduleKind::Interleaved),
+        dpc(ZeroStage::Replicated),
+        None,
+    );
+    assert_bitwise("interleaved pp=4 (8 blocks)", &got, &deep_reference);
+    checked.push("interleaved pp=4 (8 blocks)".into());
     println!(
         "bitwise equal to one stage over 5 steps (losses {:?}): {}",
         reference[0].losses,

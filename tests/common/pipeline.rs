@@ -37,6 +37,8 @@ pub struct PipeRankRun {
     pub losses: Vec<f32>,
     pub norms: Vec<Option<f64>>,
     pub skipped: Vec<usize>,
+    /// Segments whose weight gradients a `BackwardWeight` computed, over the steps.
+    pub weight_segments: usize,
 }
 
 /// The model with an overflow injected into the backward of one segment: its output is
@@ -145,6 +147,7 @@ pub fn train_pipeline_rank(
         losses: Vec::new(),
         norms: Vec::new(),
         skipped: Vec::new(),
+        weight_segments: 0,
     };
     for s in 0..steps {
         let (x, y) = tokens(per * dp * m, 16, cfg.vocab_size, s % 3);
@@ -161,6 +164,9 @@ pub fn train_pipeline_rank(
             segment: overflow.filter(|&(step, _)| step == s).map(|(_, seg)| seg),
         };
         let preview = engine.pipeline_step(&poisoned, &schedule, &chunks, &mbs, &mut *scaler)?;
+        out.weight_segments += engine
+            .last_pipeline_trace()
+            .map_or(0, |t| t.weight_segments);
         out.losses.push(preview.loss);
         out.norms.push(preview.grad_norm);
         if preview.found_inf {

@@ -169,17 +169,31 @@ fn forward<T: DenseElem>(
     Ok(y)
 }
 
-/// `(dx, dW, db)`: `dx = dy W`, `dW = dy^T x`, `db` the column sums of `dy` (in f64 for half
-/// types' sake, rows in order: deterministic).
-#[allow(clippy::type_complexity)]
+/// Which gradients of the linear op a backward computes ([`linear_backward_parts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearGrads {
+    /// `dx = dy W`.
+    pub x: bool,
+    /// `dW = dy^T x`.
+    pub weight: bool,
+    /// `db`, the column sums of `dy`.
+    pub bias: bool,
+}
+
+/// The backward's results, each where [`LinearGrads`] asked for it.
+type Parts<T> = (Option<Vec<T>>, Option<Vec<T>>, Option<Vec<T>>);
+
+/// `(dx, dW, db)` as `want` asks: `dx = dy W`, `dW = dy^T x`, `db` the column sums of `dy` (in
+/// f64 for half types' sake, rows in order: deterministic). Each is computed alone, so a part
+/// is bitwise the same whether or not the others are asked for.
 fn backward<T: DenseElem>(
     x: &[T],
     w: &[T],
     dy: &[T],
-    bias: bool,
+    want: LinearGrads,
     d: Dims,
     precision: MatmulPrecision,
-) -> candle_core::Result<(Vec<T>, Vec<T>, Option<Vec<T>>)> {
+) -> candle_core::Result<Parts<T>> {
     let Dims { rows, inf, outf } = d;
     if dy.len() != rows * outf {
         return Err(KernelError::Shape {
@@ -190,19 +204,31 @@ fn backward<T: DenseElem>(
         }
         .into());
     }
-    let db = bias.then(|| column_sums(dy, outf));
+    let db = want.bias.then(|| column_sums(dy, outf));
+    if !want.x && !want.weight {
+        return Ok((None, None, db));
+    }
     // where the kernel cannot round as it packs (no AVX-512), rounded copies: `dy` feeds both
-    // products, so it is rounded once here (as are `W` and `x`), not once per product
+    // products, so it is rounded once here (as are `W` and `x` where their product is asked
+    // for), not once per product
     let by_copy = !crate::fastmath::has_avx512();
-    let rounded = copy_rounding(precision).filter(|_| by_copy).and_then(|r| {
-        Some((
-            T::rounded_operand(dy, r)?,
-            T::rounded_operand(w, r)?,
-            T::rounded_operand(x, r)?,
-        ))
-    });
-    let (dy, w, x, precision) = match &rounded {
-        Some((dy, w, x)) => (&dy[..], &w[..], &x[..], MatmulPrecision::Highest),
+    let round = copy_rounding(precision).filter(|_| by_copy);
+    let rounded = |v: &[T], used: bool| match (round, used) {
+        (Some(r), true) => T::rounded_operand(v, r),
+        _ => None,
+    };
+    let (rdy, rw, rx) = (
+        rounded(dy, true),
+        rounded(w, want.x),
+        rounded(x, want.weight),
+    );
+    let (dy, w, x, precision) = match &rdy {
+        Some(rdy) => (
+            &rdy[..],
+            rw.as_deref().unwrap_or(w),
+            rx.as_deref().unwrap_or(x),
+            MatmulPrecision::Highest,
+        ),
         None => (dy, w, x, precision),
     };
     let dyr = Mat {
@@ -210,30 +236,40 @@ fn backward<T: DenseElem>(
         rs: outf,
         cs: 1,
     };
-    let dx = product(
-        (rows, inf, outf),
-        dyr,
-        Mat {
-            data: w,
-            rs: inf,
-            cs: 1,
-        },
-        precision,
-    )?;
-    let dw = product(
-        (outf, inf, rows),
-        Mat {
-            data: dy,
-            rs: 1,
-            cs: outf,
-        },
-        Mat {
-            data: x,
-            rs: inf,
-            cs: 1,
-        },
-        precision,
-    )?;
+    let dx = want
+        .x
+        .then(|| {
+            product(
+                (rows, inf, outf),
+                dyr,
+                Mat {
+                    data: w,
+                    rs: inf,
+                    cs: 1,
+                },
+                precision,
+            )
+        })
+        .transpose()?;
+    let dw = want
+        .weight
+        .then(|| {
+            product(
+                (outf, inf, rows),
+                Mat {
+                    data: dy,
+                    rs: 1,
+                    cs: outf,
+                },
+                Mat {
+                    data: x,
+                    rs: inf,
+                    cs: 1,
+                },
+                precision,
+            )
+        })
+        .transpose()?;
     Ok((dx, dw, db))
 }
 
@@ -335,6 +371,31 @@ pub fn linear_backward(
     bias: bool,
     precision: MatmulPrecision,
 ) -> candle_core::Result<(Tensor, Tensor, Option<Tensor>)> {
+    let want = LinearGrads {
+        x: true,
+        weight: true,
+        bias,
+    };
+    let (dx, dw, db) = linear_backward_parts(x, w, grad, want, precision)?;
+    match (dx, dw) {
+        (Some(dx), Some(dw)) => Ok((dx, dw, db)),
+        _ => Err(candle_core::Error::msg(format!(
+            "{OP}: the backward gave no input or weight gradient"
+        ))),
+    }
+}
+
+/// The gradients [`linear_backward`] gives, only those `want` asks for, each bitwise what
+/// [`linear_backward`] gives it: a zero-bubble pipeline schedule computes `dx` first and `dW`
+/// and `db` later (`x` is not read without `want.weight`, nor `w` without `want.x`).
+#[allow(clippy::type_complexity)]
+pub fn linear_backward_parts(
+    x: &Tensor,
+    w: &Tensor,
+    grad: &Tensor,
+    want: LinearGrads,
+    precision: MatmulPrecision,
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
     let grad = cpu_of(&grad.to_dtype(x.dtype())?)?;
     let (x, w) = (cpu_of(x)?, cpu_of(w)?);
     let (sx, lx) = x.storage_and_layout();
@@ -353,10 +414,12 @@ pub fn linear_backward(
             lg,
             "the output gradient",
         )?;
-        let (dx, dw, db) = backward(xv, wv, gv, bias, d, precision)?;
+        let (dx, dw, db) = backward(xv, wv, gv, want, d, precision)?;
         Ok((
-            Tensor::from_vec(dx, lx.shape(), dev)?,
-            Tensor::from_vec(dw, (d.outf, d.inf), dev)?,
+            dx.map(|v| Tensor::from_vec(v, lx.shape(), dev))
+                .transpose()?,
+            dw.map(|v| Tensor::from_vec(v, (d.outf, d.inf), dev))
+                .transpose()?,
             db.map(|v| Tensor::from_vec(v, d.outf, dev)).transpose()?,
         ))
     })

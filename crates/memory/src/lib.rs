@@ -57,5 +57,5 @@ pub use estimate::{
 pub use kiln_state::ZeroStage;
 pub use segment::{
     Backwarded, CollectGrads, Executor, Forwarded, GradHook, ParamProvider, Phase, RecomputePolicy,
-    SegmentParams, SegmentedModel, StaticParams, StepOutput,
+    SegmentParams, SegmentedModel, StaticParams, StepOutput, WeightPass,
 };

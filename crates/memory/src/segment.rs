@@ -20,6 +20,11 @@ use crate::error::{BoxError, MemoryError, Result};
 use crate::tape::{self, Tape, TapeGrads};
 use candle_core::{Tensor, Var};
 
+mod seed;
+mod weights;
+use seed::seeded;
+pub use weights::WeightPass;
+
 /// Why the executor asks for a segment's parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -552,7 +557,63 @@ impl Executor {
         hook: &mut dyn GradHook,
         loss_scale: f64,
     ) -> Result<Backwarded> {
+        let (back, _) = self.backward_walk(
+            model,
+            forwarded,
+            grad_output,
+            batch,
+            provider,
+            Some(hook),
+            loss_scale,
+        )?;
+        Ok(back)
+    }
+
+    /// [`Executor::backward`] with the parameters' gradients held back: the input gradient
+    /// (for the previous pipeline stage) is computed now, and the parameters' by
+    /// [`WeightPass::run`] later, which hands them to its hook segment by segment as
+    /// [`Executor::backward`] would have, bitwise. Where a segment's backward runs from its
+    /// tape, kiln's linear layers compute `dx` now and `dW` in the weight pass
+    /// ([`tape::Tape::backward_deferring`]); a selectively recomputed segment, or one that
+    /// candle's backward runs, computes every gradient now and only hands them over later.
+    /// A zero-bubble pipeline schedule's `BackwardInput` and `BackwardWeight` (Qi et al., 2024).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_deferring<M: SegmentedModel + ?Sized>(
+        &self,
+        model: &M,
+        forwarded: Forwarded,
+        grad_output: Option<Tensor>,
+        batch: &MicroBatch,
+        provider: &mut dyn ParamProvider,
+        loss_scale: f64,
+    ) -> Result<(Backwarded, WeightPass)> {
+        self.backward_walk(
+            model,
+            forwarded,
+            grad_output,
+            batch,
+            provider,
+            None,
+            loss_scale,
+        )
+    }
+
+    /// The walk of [`Executor::backward`] (with `hook`) and [`Executor::backward_deferring`]
+    /// (without: the parameters' gradients go to the returned [`WeightPass`]).
+    #[allow(clippy::too_many_arguments)]
+    fn backward_walk<M: SegmentedModel + ?Sized>(
+        &self,
+        model: &M,
+        forwarded: Forwarded,
+        grad_output: Option<Tensor>,
+        batch: &MicroBatch,
+        provider: &mut dyn ParamProvider,
+        mut hook: Option<&mut dyn GradHook>,
+        loss_scale: f64,
+    ) -> Result<(Backwarded, WeightPass)> {
+        let deferring = hook.is_none();
         let mut recomputed = 0;
+        let mut weights = WeightPass::default();
         let Forwarded {
             mut saved, first, ..
         } = forwarded;
@@ -573,7 +634,10 @@ impl Executor {
                         .to_dtype(out.dtype())?,
                 };
                 let grads = Grads::Tape(thinned.backward(root)?);
-                grad_out = self.pass_down(i, grads, &s.input, &params, hook)?;
+                grad_out = input_grad(i, &grads, &s.input)?;
+                let param_grads = param_grads(&grads, &params);
+                drop(grads);
+                weights.hand_over(i, param_grads, &mut hook)?;
                 provider
                     .release(i, params)
                     .map_err(|source| hook_err("parameter provider", i, source))?;
@@ -600,9 +664,16 @@ impl Executor {
                 None => Tensor::full(loss_scale as f32, out.shape(), out.device())?
                     .to_dtype(out.dtype())?,
             };
-            let taped = match tape {
-                Some(tape) => tape.backward(&out, root)?,
-                None => None,
+            let (taped, held) = match tape {
+                Some(tape) if deferring => {
+                    let defer = params.vars().iter().map(|(_, v)| v.as_tensor().id());
+                    match tape.backward_deferring(&out, root, &defer.collect())? {
+                        Some((tg, held)) => (Some(tg), Some(held)),
+                        None => (None, None),
+                    }
+                }
+                Some(tape) => (tape.backward(&out, root)?, None),
+                None => (None, None),
             };
             let grads = match (taped, grad_out.take()) {
                 (Some(tg), _) => Grads::Tape(tg),
@@ -611,15 +682,26 @@ impl Executor {
                 (None, Some(g)) => Grads::Candle(seeded(&out, g)?.backward()?),
             };
             drop(out);
-            grad_out = self.pass_down(i, grads, &s.input, &params, hook)?;
+            grad_out = input_grad(i, &grads, &s.input)?;
+            match held {
+                Some(held) => weights.hold(i, held, &params),
+                None => {
+                    let param_grads = param_grads(&grads, &params);
+                    drop(grads);
+                    weights.hand_over(i, param_grads, &mut hook)?;
+                }
+            }
             provider
                 .release(i, params)
                 .map_err(|source| hook_err("parameter provider", i, source))?;
         }
-        Ok(Backwarded {
-            grad_input: grad_out,
-            recomputed,
-        })
+        Ok((
+            Backwarded {
+                grad_input: grad_out,
+                recomputed,
+            },
+            weights,
+        ))
     }
 }
 
@@ -651,99 +733,24 @@ pub struct Backwarded {
     pub recomputed: usize,
 }
 
-impl Executor {
-    /// After segment `i`'s backward: its parameters' gradients to the hook, and the gradient
-    /// of its input (for the segment below; none for the first).
-    fn pass_down(
-        &self,
-        i: usize,
-        grads: Grads,
-        input: &Tensor,
-        params: &SegmentParams,
-        hook: &mut dyn GradHook,
-    ) -> Result<Option<Tensor>> {
-        let below = if i > 0 {
-            Some(match grads.get(input) {
-                Some(g) => g.clone(),
-                None => input.zeros_like()?,
-            })
-        } else {
-            None
-        };
-        let param_grads: Vec<(String, Tensor)> = params
-            .vars()
-            .iter()
-            .filter_map(|(name, v)| grads.get(v.as_tensor()).map(|g| (name.clone(), g.clone())))
-            .collect();
-        drop(grads);
-        hook.segment_grads(i, param_grads)
-            .map_err(|source| hook_err("gradient hook", i, source))?;
-        Ok(below)
+/// The gradient of segment `i`'s input, for the segment below (none for the first).
+fn input_grad(i: usize, grads: &Grads, input: &Tensor) -> Result<Option<Tensor>> {
+    if i == 0 {
+        return Ok(None);
     }
+    Ok(Some(match grads.get(input) {
+        Some(g) => g.clone(),
+        None => input.zeros_like()?,
+    }))
 }
 
-/// A scalar whose backward hands `grad` to `out`: the root of a segment's backward when the
-/// gradient of its output is known (what PyTorch's `out.backward(grad)` does). Candle starts a
-/// backward only from a tensor, and `(out * grad).sum()` costs a product, a reduction, a
-/// broadcast and a second product of `out`'s size per segment; this op passes `grad` on as it
-/// is.
-fn seeded(out: &Tensor, grad: Tensor) -> Result<Tensor> {
-    Ok(out.apply_op1_arc(std::sync::Arc::new(Box::new(Seed { grad })))?)
-}
-
-/// See [`seeded`]. The forward is a zero scalar of `out`'s dtype on its device.
-struct Seed {
-    grad: Tensor,
-}
-
-impl candle_core::CustomOp1 for Seed {
-    fn name(&self) -> &'static str {
-        "kiln-segment-seed"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s: &candle_core::CpuStorage,
-        _l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        use candle_core::backend::{BackendDevice, BackendStorage};
-        let shape = candle_core::Shape::from(());
-        let zero = s.device().zeros_impl(&shape, s.dtype())?;
-        Ok((zero, shape))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        use candle_core::backend::{BackendDevice, BackendStorage};
-        let shape = candle_core::Shape::from(());
-        let zero = s.device().zeros_impl(&shape, s.dtype())?;
-        Ok((zero, shape))
-    }
-
-    fn bwd(
-        &self,
-        out: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        if self.grad.shape() != out.shape() {
-            return Err(candle_core::Error::msg(format!(
-                "segment backward: the output gradient is {:?}, the output {:?}",
-                self.grad.dims(),
-                out.dims()
-            )));
-        }
-        // the root's gradient is one; anything else scales the seed
-        let g = self.grad.to_dtype(out.dtype())?;
-        let one = grad_res
-            .to_dtype(candle_core::DType::F64)?
-            .to_scalar::<f64>()?;
-        Ok(Some(if one == 1.0 { g } else { g.affine(one, 0.0)? }))
-    }
+/// The gradients of a segment's parameters, by name, in the order the segment lists them.
+fn param_grads(grads: &Grads, params: &SegmentParams) -> Vec<(String, Tensor)> {
+    params
+        .vars()
+        .iter()
+        .filter_map(|(name, v)| grads.get(v.as_tensor()).map(|g| (name.clone(), g.clone())))
+        .collect()
 }
 
 fn hook_err(what: &'static str, segment: usize, source: BoxError) -> MemoryError {

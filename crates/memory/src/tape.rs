@@ -107,10 +107,30 @@ fn arity(got: usize) -> candle_core::Error {
     ))
 }
 
-/// A recorded op: its inputs, its output, how to get the inputs' gradients, and whether its
-/// output may be dropped and computed again ([`recomputable`]).
+/// An op whose backward gives any subset of its inputs' gradients without the others, from the
+/// inputs and the output's gradient alone (the output itself is not needed): a linear layer's
+/// `dx = dy W` apart from its `dW = dy^T x`. A zero-bubble pipeline schedule (Qi et al., 2024)
+/// computes a stage's input gradient first, for the previous stage, and the weights' later,
+/// where the pipeline would otherwise wait ([`Tape::backward_deferring`]).
+pub trait SplitBackward: Send + Sync {
+    /// The gradients of the inputs `wanted` marks (`None` for the others), each bitwise what
+    /// the op's whole backward gives that input.
+    fn backward_part(
+        &self,
+        inputs: &[Tensor],
+        grad: &Tensor,
+        wanted: &[bool],
+    ) -> candle_core::Result<Vec<Option<Tensor>>>;
+}
+
+type Split = Arc<dyn SplitBackward>;
+
+/// A recorded op: its inputs, its output, how to get the inputs' gradients (and some of them
+/// without the others, where the op can), and whether its output may be dropped and computed
+/// again ([`recomputable`]).
 struct Entry {
     op: Op,
+    split: Option<Split>,
     inputs: Vec<Tensor>,
     output: Tensor,
     cheap: bool,
@@ -184,11 +204,12 @@ pub fn record<R>(f: impl FnOnce() -> R) -> (R, Tape) {
     (out, tape)
 }
 
-fn push(op: Op, inputs: &[&Tensor], output: &Tensor) {
+fn push(op: Op, split: Option<Split>, inputs: &[&Tensor], output: &Tensor) {
     RECORDING.with(|r| {
         if let Some(tape) = r.borrow_mut().as_mut() {
             tape.entries.push(Entry {
                 op,
+                split,
                 inputs: inputs.iter().map(|&t| t.clone()).collect(),
                 output: output.clone(),
                 cheap: RECOMPUTABLE.with(|c| c.get() > 0),
@@ -210,7 +231,7 @@ pub fn apply_op1(
     let op: Op1 = Arc::new(Box::new(op));
     let out = a.apply_op1_arc(op.clone())?;
     if recording() {
-        push(Op::One(op), &[a], &out);
+        push(Op::One(op), None, &[a], &out);
     }
     Ok(out)
 }
@@ -224,7 +245,7 @@ pub fn apply_op2(
     let op: Op2 = Arc::new(Box::new(op));
     let out = a.apply_op2_arc(b, op.clone())?;
     if recording() {
-        push(Op::Two(op), &[a, b], &out);
+        push(Op::Two(op), None, &[a, b], &out);
     }
     Ok(out)
 }
@@ -239,7 +260,37 @@ pub fn apply_op3(
     let op: Op3 = Arc::new(Box::new(op));
     let out = a.apply_op3_arc(b, c, op.clone())?;
     if recording() {
-        push(Op::Three(op), &[a, b, c], &out);
+        push(Op::Three(op), None, &[a, b, c], &out);
+    }
+    Ok(out)
+}
+
+/// [`apply_op2`] for an op that can also give its inputs' gradients apart
+/// ([`SplitBackward`]), which [`Tape::backward_deferring`] uses.
+pub fn apply_op2_split<O>(a: &Tensor, b: &Tensor, op: O) -> candle_core::Result<Tensor>
+where
+    O: CustomOp2 + SplitBackward + Clone + 'static,
+{
+    let split: Split = Arc::new(op.clone());
+    let op: Op2 = Arc::new(Box::new(op));
+    let out = a.apply_op2_arc(b, op.clone())?;
+    if recording() {
+        push(Op::Two(op), Some(split), &[a, b], &out);
+    }
+    Ok(out)
+}
+
+/// [`apply_op3`] for an op that can also give its inputs' gradients apart
+/// ([`SplitBackward`]), which [`Tape::backward_deferring`] uses.
+pub fn apply_op3_split<O>(a: &Tensor, b: &Tensor, c: &Tensor, op: O) -> candle_core::Result<Tensor>
+where
+    O: CustomOp3 + SplitBackward + Clone + 'static,
+{
+    let split: Split = Arc::new(op.clone());
+    let op: Op3 = Arc::new(Box::new(op));
+    let out = a.apply_op3_arc(b, c, op.clone())?;
+    if recording() {
+        push(Op::Three(op), Some(split), &[a, b, c], &out);
     }
     Ok(out)
 }
@@ -293,6 +344,78 @@ impl TapeGrads {
     /// The gradient of `t`, if it received one.
     pub fn get(&self, t: &Tensor) -> Option<&Tensor> {
         self.grads.get(&t.id())
+    }
+
+    /// The gradient of the tensor with id `id`, if it received one.
+    pub fn get_id(&self, id: TensorId) -> Option<&Tensor> {
+        self.grads.get(&id)
+    }
+}
+
+/// One contribution to the held-back gradients, in the order the walk met it.
+enum Held {
+    /// Gradients an op's whole backward gave, by tensor.
+    Done(Vec<(TensorId, Tensor)>),
+    /// Gradients a [`SplitBackward`] op gives later: of the inputs `wanted` marks.
+    Todo {
+        split: Split,
+        inputs: Vec<Tensor>,
+        grad: Tensor,
+        wanted: Vec<bool>,
+    },
+}
+
+/// The gradients [`Tape::backward_deferring`] held back (the weights'), computed and summed
+/// by [`HeldGrads::compute`]. Until then it keeps what they are computed from: each split
+/// op's inputs and output gradient.
+#[derive(Default)]
+pub struct HeldGrads {
+    held: Vec<Held>,
+}
+
+impl std::fmt::Debug for HeldGrads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let todo = self
+            .held
+            .iter()
+            .filter(|h| matches!(h, Held::Todo { .. }))
+            .count();
+        f.debug_struct("HeldGrads")
+            .field("contributions", &self.held.len())
+            .field("to_compute", &todo)
+            .finish()
+    }
+}
+
+impl HeldGrads {
+    /// The held-back gradients: each split op's part computed now, every contribution added
+    /// in the order the backward walk met it (so the sums are bitwise those of
+    /// [`Tape::backward`]).
+    pub fn compute(self) -> candle_core::Result<TapeGrads> {
+        let mut grads = HashMap::new();
+        for h in self.held {
+            match h {
+                Held::Done(gs) => {
+                    for (id, g) in gs {
+                        add_grad(&mut grads, id, g)?;
+                    }
+                }
+                Held::Todo {
+                    split,
+                    inputs,
+                    grad,
+                    wanted,
+                } => {
+                    let igs = split.backward_part(&inputs, &grad, &wanted)?;
+                    for ((input, ig), w) in inputs.iter().zip(igs).zip(&wanted) {
+                        if let (Some(ig), true) = (ig, *w) {
+                            add_grad(&mut grads, input.id(), ig)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(TapeGrads { grads })
     }
 }
 
@@ -357,5 +480,84 @@ impl Tape {
             }
         }
         Ok(Some(TapeGrads { grads }))
+    }
+
+    /// [`Tape::backward`] with the gradients of `defer` (a segment's weights) held back: the
+    /// walk computes the gradients every other input needs now (a pipeline stage's input
+    /// gradient goes to the previous stage at once) and returns the held part, which
+    /// [`HeldGrads::compute`] completes later. A [`SplitBackward`] op computes only its
+    /// non-held inputs' gradients in the walk and its held ones later (a linear layer's
+    /// `dx` now, `dW` later); any other op computes all of them in the walk and only their
+    /// sum waits. The gradients are bitwise [`Tape::backward`]'s. `None` where the tape does
+    /// not cover the way to `output`.
+    pub fn backward_deferring(
+        mut self,
+        output: &Tensor,
+        grad: Tensor,
+        defer: &HashSet<TensorId>,
+    ) -> candle_core::Result<Option<(TapeGrads, HeldGrads)>> {
+        if !self.covers(output) {
+            return Ok(None);
+        }
+        let mut grads = seed_grads("tape backward", output.id(), output, grad)?;
+        let mut held = HeldGrads::default();
+        while let Some(e) = self.entries.pop() {
+            let Some(g) = grads.remove(&e.output.id()) else {
+                continue;
+            };
+            let g = g.detach();
+            let later: Vec<bool> = e
+                .inputs
+                .iter()
+                .map(|t| tracked(t) && defer.contains(&t.id()))
+                .collect();
+            let input_grads = match &e.split {
+                Some(split) if later.iter().any(|&l| l) => {
+                    let now: Vec<bool> = e
+                        .inputs
+                        .iter()
+                        .zip(&later)
+                        .map(|(t, &l)| tracked(t) && !l)
+                        .collect();
+                    let igs = if now.iter().any(|&n| n) {
+                        split.backward_part(&e.inputs, &g, &now)?
+                    } else {
+                        vec![None; e.inputs.len()]
+                    };
+                    held.held.push(Held::Todo {
+                        split: split.clone(),
+                        inputs: e.inputs.clone(),
+                        grad: g,
+                        wanted: later.clone(),
+                    });
+                    igs
+                }
+                _ => {
+                    let mut igs = e.backward(&g)?;
+                    let done: Vec<(TensorId, Tensor)> = e
+                        .inputs
+                        .iter()
+                        .zip(igs.iter_mut())
+                        .zip(&later)
+                        .filter(|(_, &l)| l)
+                        .filter_map(|((t, ig), _)| ig.take().map(|ig| (t.id(), ig.detach())))
+                        .collect();
+                    if !done.is_empty() {
+                        held.held.push(Held::Done(done));
+                    }
+                    igs
+                }
+            };
+            for ((input, ig), &l) in e.inputs.iter().zip(input_grads).zip(&later) {
+                let Some(ig) = ig else {
+                    continue;
+                };
+                if !tracked(input) || l {
+                    continue;
+                }
+                add_grad(&mut grads, input.id(), ig)?;
+            }
+        }
+        Ok(Some((TapeGrads { grads }, held)))
     }
 }

@@ -282,3 +282,61 @@ fn mismatched_shapes_are_errors() -> candle_core::Result<()> {
     assert!(err.contains("[5]"), "{err}");
     Ok(())
 }
+
+/// Each part of [`linear_backward_parts`], asked for alone or with others, is bitwise what
+/// [`linear_backward`] gives it: for every float dtype, every precision of f32 products, with
+/// and without the bias (a zero-bubble schedule computes `dx` first and `dW`, `db` later).
+#[test]
+fn backward_parts_are_bitwise_the_whole_backward() -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    let (rows, inf, outf) = (29, 67, 41);
+    let to = |v: Vec<f64>, shape: (usize, usize), dt: DType| {
+        Tensor::from_vec(v, shape, &dev).and_then(|t| t.to_dtype(dt))
+    };
+    let raw = |t: &Tensor| -> candle_core::Result<Vec<u64>> {
+        Ok(t.to_dtype(DType::F64)?
+            .flatten_all()?
+            .to_vec1::<f64>()?
+            .into_iter()
+            .map(f64::to_bits)
+            .collect())
+    };
+    let cases = [
+        (DType::F32, MatmulPrecision::Highest),
+        (DType::F32, MatmulPrecision::Bf16),
+        (DType::F32, MatmulPrecision::F16),
+        (DType::BF16, MatmulPrecision::Highest),
+        (DType::F16, MatmulPrecision::Highest),
+        (DType::F64, MatmulPrecision::Highest),
+    ];
+    for (dt, precision) in cases {
+        let x = to(rand(&[rows, inf], 21), (rows, inf), dt)?;
+        let w = to(rand(&[outf, inf], 22), (outf, inf), dt)?;
+        let g = to(rand(&[rows, outf], 23), (rows, outf), dt)?;
+        for bias in [false, true] {
+            let (dx, dw, db) = linear_backward(&x, &w, &g, bias, precision)?;
+            for mask in 1..8u8 {
+                let want = LinearGrads {
+                    x: mask & 1 != 0,
+                    weight: mask & 2 != 0,
+                    bias: bias && mask & 4 != 0,
+                };
+                let (px, pw, pb) = linear_backward_parts(&x, &w, &g, want, precision)?;
+                let case = format!("{dt:?} {precision:?} bias {bias} {want:?}");
+                assert_eq!(px.is_some(), want.x, "{case}");
+                assert_eq!(pw.is_some(), want.weight, "{case}");
+                assert_eq!(pb.is_some(), want.bias, "{case}");
+                if let Some(px) = px {
+                    assert_eq!(raw(&px)?, raw(&dx)?, "dx {case}");
+                }
+                if let Some(pw) = pw {
+                    assert_eq!(raw(&pw)?, raw(&dw)?, "dW {case}");
+                }
+                if let (Some(pb), Some(db)) = (pb, &db) {
+                    assert_eq!(raw(&pb)?, raw(db)?, "db {case}");
+                }
+            }
+        }
+    }
+    Ok(())
+}

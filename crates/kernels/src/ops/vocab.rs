@@ -27,7 +27,7 @@
 //! ```
 
 use crate::custom_op::{contiguous, Elem, Float};
-use crate::dense::linear_backward;
+use crate::dense::{linear_backward, linear_backward_parts, LinearGrads};
 use crate::pool::run_items;
 use crate::{KernelError, MatmulPrecision};
 use candle_core::backend::BackendStorage;
@@ -541,11 +541,36 @@ impl CustomOp2 for HeadCrossEntropy {
         _loss: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let dlogits = self.logits.apply_op1_no_bwd(&VocabCrossEntropyBwd {
+        let (dx, dw, _) = linear_backward(x, w, &self.logits_grad(grad)?, false, self.precision)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+impl HeadCrossEntropy {
+    /// The gradient of the logits for the loss's gradient `grad`: softmax minus the one-hot
+    /// targets, scaled (what the op's backward hands to the head's two products).
+    pub fn logits_grad(&self, grad: &Tensor) -> candle_core::Result<Tensor> {
+        self.logits.apply_op1_no_bwd(&VocabCrossEntropyBwd {
             stats: self.stats.clone(),
             scale: self.stats.grad_scale(grad)?,
-        })?;
-        let (dx, dw, _) = linear_backward(x, w, &dlogits, false, self.precision)?;
-        Ok((Some(dx), Some(dw)))
+        })
+    }
+
+    /// The gradients of `x` and `w` that `want` asks for (its `bias` is ignored) from the
+    /// logits' gradient [`HeadCrossEntropy::logits_grad`] gave, each bitwise what the op's
+    /// backward gives: a zero-bubble schedule computes `dx` first and `dw` later.
+    pub fn backward_parts(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        dlogits: &Tensor,
+        want: LinearGrads,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let want = LinearGrads {
+            bias: false,
+            ..want
+        };
+        let (dx, dw, _) = linear_backward_parts(x, w, dlogits, want, self.precision)?;
+        Ok((dx, dw))
     }
 }

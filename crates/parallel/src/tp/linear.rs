@@ -7,8 +7,8 @@ use crate::tp::sequence::{
     gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region,
 };
 use crate::tp::shard::{shard_column, shard_qkv, shard_row};
-use candle_core::{Tensor, Var};
-use kiln_kernels::dense::{AddBias, LinearBias, LinearNoBias};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, Var};
+use kiln_kernels::dense::{linear_backward_parts, AddBias, LinearBias, LinearGrads, LinearNoBias};
 
 /// `x W^T + b` over the last dimension of `x` `[.., in]`, computing in `x`'s dtype (the
 /// weight and bias are cast differentiably when stored in another dtype).
@@ -86,8 +86,126 @@ pub(crate) fn linear_cpu(
     bias: Option<&Tensor>,
 ) -> candle_core::Result<Tensor> {
     match bias {
-        Some(b) => kiln_memory::tape::apply_op3(x, weight, &b.contiguous()?, LinearBias::new()),
-        None => kiln_memory::tape::apply_op2(x, weight, LinearNoBias::new()),
+        Some(b) => kiln_memory::tape::apply_op3_split(
+            x,
+            weight,
+            &b.contiguous()?,
+            Dense(LinearBias::new()),
+        ),
+        None => kiln_memory::tape::apply_op2_split(x, weight, Dense(LinearNoBias::new())),
+    }
+}
+
+/// kiln-kernels' linear op on kiln-memory's tape with its backward in parts
+/// ([`kiln_memory::tape::SplitBackward`]): a zero-bubble pipeline schedule computes `dx` in
+/// its input-gradient pass and `dW`, `db` in its weight pass.
+#[derive(Debug, Clone, Copy)]
+struct Dense<O>(O);
+
+/// The parts of the linear op's backward for the inputs `wanted` marks (`x`, the weight, the
+/// bias where there is one).
+fn dense_parts(
+    inputs: &[Tensor],
+    grad: &Tensor,
+    wanted: &[bool],
+    precision: kiln_kernels::MatmulPrecision,
+) -> candle_core::Result<Vec<Option<Tensor>>> {
+    let (x, w) = match inputs {
+        [x, w] | [x, w, _] => (x, w),
+        _ => {
+            return Err(candle_core::Error::msg(format!(
+                "kiln-linear: backward of {} inputs, not 2 or 3",
+                inputs.len()
+            )))
+        }
+    };
+    let want = LinearGrads {
+        x: wanted.first().copied().unwrap_or(false),
+        weight: wanted.get(1).copied().unwrap_or(false),
+        bias: inputs.len() == 3 && wanted.get(2).copied().unwrap_or(false),
+    };
+    let (dx, dw, db) = linear_backward_parts(x, w, grad, want, precision)?;
+    let mut out = vec![dx, dw];
+    if inputs.len() == 3 {
+        out.push(db);
+    }
+    Ok(out)
+}
+
+impl kiln_memory::tape::SplitBackward for Dense<LinearBias> {
+    fn backward_part(
+        &self,
+        inputs: &[Tensor],
+        grad: &Tensor,
+        wanted: &[bool],
+    ) -> candle_core::Result<Vec<Option<Tensor>>> {
+        dense_parts(inputs, grad, wanted, self.0.precision)
+    }
+}
+
+impl kiln_memory::tape::SplitBackward for Dense<LinearNoBias> {
+    fn backward_part(
+        &self,
+        inputs: &[Tensor],
+        grad: &Tensor,
+        wanted: &[bool],
+    ) -> candle_core::Result<Vec<Option<Tensor>>> {
+        dense_parts(inputs, grad, wanted, self.0.precision)
+    }
+}
+
+impl CustomOp3 for Dense<LinearBias> {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.0.cpu_fwd(s1, l1, s2, l2, s3, l3)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.0.bwd(x, w, b, y, grad)
+    }
+}
+
+impl CustomOp2 for Dense<LinearNoBias> {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.0.cpu_fwd(s1, l1, s2, l2)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        self.0.bwd(x, w, y, grad)
     }
 }
 

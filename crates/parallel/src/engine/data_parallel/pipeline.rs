@@ -17,7 +17,9 @@ use crate::error::{ParallelError, Result};
 use crate::flat::{tensor_into_slice, FlatLayout};
 use candle_core::Tensor;
 use kiln_comm::{CommExt, Communicator, ReduceOp};
-use kiln_memory::{BoxError, Executor, Forwarded, GradHook, MicroBatch, SegmentedModel};
+use kiln_memory::{
+    BoxError, Executor, Forwarded, GradHook, MicroBatch, SegmentedModel, WeightPass,
+};
 use kiln_precision::LossScaler;
 use kiln_state::ZeroStage;
 use std::ops::Range;
@@ -56,20 +58,18 @@ struct Accum {
 }
 
 /// The weight gradients of a backward whose input gradient went ahead (a zero-bubble
-/// schedule's `BackwardInput`), to be accumulated by [`DataParallel::pipeline_weight_grads`].
+/// schedule's `BackwardInput`), to be computed and accumulated by
+/// [`DataParallel::pipeline_weight_grads`] (its `BackwardWeight`).
 #[derive(Debug, Default)]
 pub struct DeferredGrads {
-    segments: Vec<(usize, Vec<(String, Tensor)>)>,
+    passes: Vec<WeightPass>,
 }
 
-impl GradHook for DeferredGrads {
-    fn segment_grads(
-        &mut self,
-        segment: usize,
-        grads: Vec<(String, Tensor)>,
-    ) -> std::result::Result<(), BoxError> {
-        self.segments.push((segment, grads));
-        Ok(())
+impl DeferredGrads {
+    /// Segments whose weight gradients are still to compute (kiln's linear layers on the CPU
+    /// compute `dW` in the weight pass; other segments only hand theirs over).
+    pub fn to_compute(&self) -> usize {
+        self.passes.iter().map(WeightPass::to_compute).sum()
     }
 }
 
@@ -291,22 +291,16 @@ impl DataParallel {
         grad_output: Option<Tensor>,
         batch: &MicroBatch,
     ) -> Result<Option<Tensor>> {
-        let mut deferred = DeferredGrads::default();
-        let grad_in = self.pipeline_backward_input(
-            model,
-            forwarded,
-            grad_output,
-            batch,
-            Some(&mut deferred),
-        )?;
-        self.pipeline_weight_grads(deferred)?;
-        Ok(grad_in)
+        self.pipeline_backward_input(model, forwarded, grad_output, batch, None)
     }
 
     /// The backward with the weight gradients held back (a zero-bubble schedule's input
-    /// gradient first) when `deferred` is given: they go there, for
-    /// [`DataParallel::pipeline_weight_grads`] later. Candle and kiln's tape compute both in
-    /// one pass, so holding them back moves their accumulation, not their arithmetic.
+    /// gradient first) when `deferred` is given: the input gradient is computed now and the
+    /// weights' go to `deferred`, for [`DataParallel::pipeline_weight_grads`] later. Where a
+    /// stage's segments run from kiln's tape (on the CPU), their linear layers compute `dx` here
+    /// and `dW` in the weight pass ([`Executor::backward_deferring`]); elsewhere both are
+    /// computed here and only their accumulation waits. Without `deferred` this is
+    /// [`DataParallel::pipeline_backward`]. The gradients are bitwise the same either way.
     pub fn pipeline_backward_input<M: SegmentedModel + ?Sized>(
         &mut self,
         model: &M,
@@ -316,8 +310,6 @@ impl DataParallel {
         deferred: Option<&mut DeferredGrads>,
     ) -> Result<Option<Tensor>> {
         let scale = self.step_state("pipeline_backward")?.scale;
-        let mut own = DeferredGrads::default();
-        let hook = deferred.unwrap_or(&mut own);
         let mut provider = Provider {
             layout: &self.layout,
             vars: &self.vars,
@@ -326,22 +318,46 @@ impl DataParallel {
             stage: self.cfg.stage,
             device: &self.device,
         };
-        let out = Executor::new(self.cfg.recompute).backward(
+        let executor = Executor::new(self.cfg.recompute);
+        let Some(deferred) = deferred else {
+            // both gradients in one pass, accumulated as each segment's arrive
+            let link = self.pipeline.as_mut().ok_or_else(|| {
+                ParallelError::Config("pipeline_backward needs with_pipeline first".into())
+            })?;
+            let step = link.step.as_mut().ok_or_else(|| {
+                ParallelError::Config("pipeline_backward outside pipeline_begin/finish".into())
+            })?;
+            let mut hook = Accumulate {
+                layout: &self.layout,
+                grads: &mut self.grads,
+                owner: &link.owner,
+                step,
+            };
+            let out = executor.backward(
+                model,
+                forwarded,
+                grad_output,
+                batch,
+                &mut provider,
+                &mut hook,
+                scale as f64,
+            )?;
+            return Ok(out.grad_input);
+        };
+        let (out, pass) = executor.backward_deferring(
             model,
             forwarded,
             grad_output,
             batch,
             &mut provider,
-            hook,
             scale as f64,
         )?;
-        if !own.segments.is_empty() {
-            self.pipeline_weight_grads(own)?;
-        }
+        deferred.passes.push(pass);
         Ok(out.grad_input)
     }
 
-    /// Accumulates weight gradients held back by [`DataParallel::pipeline_backward_input`].
+    /// Computes and accumulates the weight gradients held back by
+    /// [`DataParallel::pipeline_backward_input`].
     pub fn pipeline_weight_grads(&mut self, deferred: DeferredGrads) -> Result<()> {
         let layout = &self.layout;
         let grads = &mut self.grads;
@@ -357,9 +373,8 @@ impl DataParallel {
             owner: &link.owner,
             step,
         };
-        for (segment, g) in deferred.segments {
-            hook.segment_grads(segment, g)
-                .map_err(|e| ParallelError::Config(format!("segment {segment}: {e}")))?;
+        for pass in deferred.passes {
+            pass.run(&mut hook)?;
         }
         Ok(())
     }

@@ -118,6 +118,10 @@ pub struct PipelineTrace {
     pub step_s: f64,
     /// The most forwards whose backward (or weight gradient) had not run yet, at once.
     pub peak_in_flight: usize,
+    /// Segments whose weight gradients a `BackwardWeight` computed (kiln's linear layers'
+    /// `dW` held back from the input pass), not only accumulated: zero without a zero-bubble
+    /// schedule, and where candle's backward runs a stage (a GPU).
+    pub weight_segments: usize,
 }
 
 impl PipelineTrace {
@@ -255,6 +259,7 @@ impl DataParallel {
                     let d = deferred
                         .remove(&key)
                         .ok_or_else(|| missing("no input-gradient pass before it", a))?;
+                    trace.weight_segments += d.to_compute();
                     self.pipeline_weight_grads(d)?;
                 }
                 Action::SendActivation { to, .. } => {

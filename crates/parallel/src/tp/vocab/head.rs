@@ -6,9 +6,10 @@ use crate::tp::linear::linear_cpu;
 use crate::tp::ops::{copy_to_tp_region, TpComm};
 use crate::tp::sequence::gather_from_sequence_parallel_region;
 use crate::tp::vocab::{vocab_parallel_cross_entropy, vocab_parallel_logits};
-use candle_core::Tensor;
+use candle_core::{Tensor, TensorId};
 use kiln_kernels::matmul_precision;
 use kiln_kernels::ops::vocab::HeadCrossEntropy;
+use std::sync::{Arc, Mutex};
 
 /// [`vocab_parallel_logits`] followed by [`vocab_parallel_cross_entropy`], as one node of the
 /// graph: the mean cross-entropy of the logits `f(x) wte_local^T` against `targets`, with
@@ -124,9 +125,93 @@ fn fused(
     let precision = matmul_precision();
     let logits = linear_cpu(&x.detach(), &w.detach(), None)?;
     let (logits, stats) = ce_stats(&logits, targets, ignore_index, group)?;
-    Ok(kiln_memory::tape::apply_op2(
+    Ok(kiln_memory::tape::apply_op2_split(
         &x,
         &w,
-        HeadCrossEntropy::new(stats, logits, precision),
+        SplitHead::new(HeadCrossEntropy::new(stats, logits, precision)),
     )?)
+}
+
+/// [`HeadCrossEntropy`] on kiln-memory's tape with its backward in parts
+/// ([`kiln_memory::tape::SplitBackward`]): a zero-bubble pipeline schedule computes the head
+/// input's gradient in its input pass and the (tied) embedding's in its weight pass. The
+/// logits' gradient the input pass computes is kept for the weight pass (one softmax over
+/// the vocabulary, not two), keyed by the output gradient it came from.
+#[derive(Debug, Clone)]
+struct SplitHead {
+    op: HeadCrossEntropy,
+    dlogits: Arc<Mutex<Option<(TensorId, Tensor)>>>,
+}
+
+impl SplitHead {
+    fn new(op: HeadCrossEntropy) -> Self {
+        Self {
+            op,
+            dlogits: Arc::default(),
+        }
+    }
+}
+
+impl candle_core::CustomOp2 for SplitHead {
+    fn name(&self) -> &'static str {
+        self.op.name()
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        self.op.cpu_fwd(s1, l1, s2, l2)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        loss: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        self.op.bwd(x, w, loss, grad)
+    }
+}
+
+impl kiln_memory::tape::SplitBackward for SplitHead {
+    fn backward_part(
+        &self,
+        inputs: &[Tensor],
+        grad: &Tensor,
+        wanted: &[bool],
+    ) -> candle_core::Result<Vec<Option<Tensor>>> {
+        let [x, w] = inputs else {
+            candle_core::bail!(
+                "kiln-tp-vocab-head-cross-entropy: backward of {} inputs, not 2",
+                inputs.len()
+            )
+        };
+        let want = kiln_kernels::dense::LinearGrads {
+            x: wanted.first().copied().unwrap_or(false),
+            weight: wanted.get(1).copied().unwrap_or(false),
+            bias: false,
+        };
+        if !want.x && !want.weight {
+            return Ok(vec![None, None]);
+        }
+        let mut kept = self
+            .dlogits
+            .lock()
+            .map_err(|_| candle_core::Error::msg("the head's logits gradient lock is poisoned"))?;
+        let (dlogits, fresh) = match kept.take() {
+            Some((id, d)) if id == grad.id() => (d, false),
+            _ => (self.op.logits_grad(grad)?, true),
+        };
+        let (dx, dw) = self.op.backward_parts(x, w, &dlogits, want)?;
+        // a first part alone: the other comes later, from the same output gradient
+        if fresh && !(want.x && want.weight) {
+            *kept = Some((grad.id(), dlogits));
+        }
+        Ok(vec![dx, dw])
+    }
 }
