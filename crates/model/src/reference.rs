@@ -16,6 +16,14 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     Ok(y.broadcast_mul(weight)?.broadcast_add(bias)?)
 }
 
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension, from candle's ops (Llama's
+/// RMSNorm as `transformers` writes it).
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = x.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    Ok(y.broadcast_mul(weight)?)
+}
+
 /// Causal softmax of `scale * x` over the last dimension of `[.., tq, tk]` scores.
 pub fn causal_softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
     let dims = x.dims();

@@ -1,4 +1,5 @@
-//! The fused ops against central finite differences (f64), against composite candle
+//! The fused ops (LayerNorm, RMSNorm, causal softmax, GELU, bias-GELU, cross-entropy) against
+//! central finite differences (f64), against composite candle
 //! implementations (f64, f32, and at sizes that take the multi-threaded path), and in f16 /
 //! bf16 against the f32 result on the same inputs.
 //!
@@ -193,6 +194,54 @@ fn layer_norm_multithreaded_matches_composite() {
         input("ln.big.b", &[256], 0.5, 0.0, true),
     ];
     check_against_composite(&ln_fused, &ln_composite, &inputs, DType::F32);
+}
+
+fn rms_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(ops::rms_norm(&x[0], &x[1], 1e-5)?)
+}
+fn rms_composite(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(reference::rms_norm(&x[0], &x[1], 1e-5)?)
+}
+
+#[test]
+fn rms_norm_gradients() {
+    // rows of 6 (fewer than the 16 summing lanes) and of 37 (two full lane groups and a rest)
+    for (key, d) in [("rms", 6usize), ("rms37", 37)] {
+        check_all(
+            &rms_fused,
+            &rms_composite,
+            vec![
+                input(&format!("{key}.x"), &[2, 3, d], 2.0, 0.5, true),
+                input(&format!("{key}.w"), &[d], 0.5, 1.0, true),
+            ],
+        );
+    }
+}
+
+#[test]
+fn rms_norm_multithreaded_matches_composite() {
+    // 600 rows of 256: several chunks on candle's worker pool
+    let inputs = vec![
+        input("rms.big.x", &[600, 256], 3.0, -1.0, true),
+        input("rms.big.w", &[256], 0.5, 1.0, true),
+    ];
+    check_against_composite(&rms_fused, &rms_composite, &inputs, DType::F32);
+}
+
+#[test]
+fn rms_norm_bad_inputs_name_what_is_wrong() {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((2, 4), DType::F32, &dev).unwrap();
+    let e = ops::rms_norm(&x, &Tensor::zeros(3, DType::F32, &dev).unwrap(), 1e-5).unwrap_err();
+    assert!(
+        e.to_string().contains("weight") && e.to_string().contains("[4]"),
+        "{e}"
+    );
+    let e = ops::rms_norm(&x, &Tensor::zeros(4, DType::F16, &dev).unwrap(), 1e-5).unwrap_err();
+    assert!(e.to_string().contains("weight"), "{e}");
+    let w = Tensor::ones(4, DType::F32, &dev).unwrap();
+    let e = ops::rms_norm(&x, &w, -1.0).unwrap_err();
+    assert!(e.to_string().contains("eps"), "{e}");
 }
 
 fn sm_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {

@@ -59,11 +59,11 @@ impl LayerNorm {
 /// combined pairwise at the end ([`total`]), an order fixed in the source, so every machine and
 /// both compiled copies give the same bits. One chain of adds had run at an add's latency an
 /// element (the LayerNorm backward was 3.4% of the main job's step, its forward 2.7%).
-const LANES: usize = 16;
+pub(crate) const LANES: usize = 16;
 
 /// The lanes' sum: `a[i] + a[i + 8]`, then `+ [i + 4]`, `+ [i + 2]`, `+ [i + 1]`.
 #[inline(always)]
-fn total<F: Float>(mut a: [F; LANES]) -> F {
+pub(crate) fn total<F: Float>(mut a: [F; LANES]) -> F {
     let mut w = LANES / 2;
     while w > 0 {
         for i in 0..w {
@@ -118,7 +118,7 @@ fn row_stats_impl<T: Elem>(row: &[T], eps: T::F) -> (T::F, T::F) {
     (mean, rstd)
 }
 
-fn widen<T: Elem>(v: &[T]) -> Vec<T::F> {
+pub(crate) fn widen<T: Elem>(v: &[T]) -> Vec<T::F> {
     v.iter().map(|&x| x.load()).collect()
 }
 

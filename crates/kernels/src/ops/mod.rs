@@ -8,6 +8,8 @@
 //! - [`CausalAttention`] fuses the whole attention product (scores, causal softmax, values)
 //!   without materialising the `seq x seq` scores; [`PackedAttention`] reads it straight from a
 //!   fused QKV projection's output.
+//! - [`RmsNorm`]: Llama's normalisation (CPU only so far: on a CUDA tensor candle reports that
+//!   the op has no CUDA implementation).
 //! - [`vocab`]: the row statistics of a cross-entropy over a vocabulary split across ranks, and
 //!   the LM head fused with its loss.
 //!
@@ -20,6 +22,7 @@ mod cross_entropy;
 mod gelu;
 mod layer_norm;
 mod residual;
+mod rms_norm;
 mod softmax;
 pub mod vocab;
 
@@ -28,4 +31,5 @@ pub use cross_entropy::CrossEntropy;
 pub use gelu::{BiasGelu, Gelu};
 pub use layer_norm::LayerNorm;
 pub use residual::ResidualAdd;
+pub use rms_norm::RmsNorm;
 pub use softmax::CausalSoftmax;

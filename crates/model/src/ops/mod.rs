@@ -14,6 +14,7 @@ mod cross_entropy;
 mod gelu;
 mod layer_norm;
 mod residual;
+mod rms_norm;
 mod softmax;
 
 pub use attention::{causal_attention, causal_attention_packed};
@@ -21,4 +22,5 @@ pub use cross_entropy::cross_entropy;
 pub use gelu::{bias_gelu, gelu};
 pub use layer_norm::{layer_norm, layer_norm_rows};
 pub use residual::residual_add;
+pub use rms_norm::rms_norm;
 pub use softmax::{causal_softmax, causal_softmax_scaled};
