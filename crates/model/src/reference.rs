@@ -24,6 +24,15 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(y.broadcast_mul(weight)?)
 }
 
+/// `silu(gate) * up` for `x = [gate, up]` along the last dimension, from candle's ops (Llama's
+/// MLP activation as `transformers` writes it, with the two projections' outputs side by side).
+pub fn swiglu(x: &Tensor) -> Result<Tensor> {
+    let n = x.dim(D::Minus1)? / 2;
+    let gate = x.narrow(D::Minus1, 0, n)?;
+    let up = x.narrow(D::Minus1, n, n)?;
+    Ok((candle_nn::ops::silu(&gate)? * up)?)
+}
+
 /// Causal softmax of `scale * x` over the last dimension of `[.., tq, tk]` scores.
 pub fn causal_softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
     let dims = x.dims();

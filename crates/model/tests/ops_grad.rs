@@ -1,6 +1,5 @@
-//! The fused ops (LayerNorm, RMSNorm, causal softmax, GELU, bias-GELU, cross-entropy) against
-//! central finite differences (f64), against composite candle
-//! implementations (f64, f32, and at sizes that take the multi-threaded path), and in f16 /
+//! The fused ops (LayerNorm, RMSNorm, causal softmax, GELU, bias-GELU, SwiGLU, cross-entropy)
+//! against central finite differences (f64), against composite candle implementations (f64, f32, and at sizes that take the multi-threaded path), and in f16 /
 //! bf16 against the f32 result on the same inputs.
 //!
 //! Tolerances (|a - e| <= atol + rtol |e|):
@@ -242,6 +241,36 @@ fn rms_norm_bad_inputs_name_what_is_wrong() {
     let w = Tensor::ones(4, DType::F32, &dev).unwrap();
     let e = ops::rms_norm(&x, &w, -1.0).unwrap_err();
     assert!(e.to_string().contains("eps"), "{e}");
+}
+
+fn swiglu_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(ops::swiglu(&x[0])?)
+}
+fn swiglu_composite(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(reference::swiglu(&x[0])?)
+}
+
+#[test]
+fn swiglu_gradients() {
+    // gate values over [-5, 5]: the sigmoid's tails and its middle
+    check_all(
+        &swiglu_fused,
+        &swiglu_composite,
+        vec![input("swiglu.x", &[2, 3, 10], 5.0, 0.0, true)],
+    );
+}
+
+#[test]
+fn swiglu_multithreaded_matches_composite() {
+    let inputs = vec![input("swiglu.big.x", &[300, 2 * 688], 4.0, 0.0, true)];
+    check_against_composite(&swiglu_fused, &swiglu_composite, &inputs, DType::F32);
+}
+
+#[test]
+fn swiglu_odd_width_is_an_error() {
+    let x = Tensor::zeros((2, 5), DType::F32, &Device::Cpu).unwrap();
+    let e = ops::swiglu(&x).unwrap_err().to_string();
+    assert!(e.contains("2n") && e.contains("[2, 5]"), "{e}");
 }
 
 fn sm_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {

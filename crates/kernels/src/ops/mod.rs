@@ -8,8 +8,8 @@
 //! - [`CausalAttention`] fuses the whole attention product (scores, causal softmax, values)
 //!   without materialising the `seq x seq` scores; [`PackedAttention`] reads it straight from a
 //!   fused QKV projection's output.
-//! - [`RmsNorm`]: Llama's normalisation (CPU only so far: on a CUDA tensor candle reports that
-//!   the op has no CUDA implementation).
+//! - [`RmsNorm`] and [`SwiGlu`]: the Llama family's normalisation and gated MLP activation
+//!   (CPU only so far: on a CUDA tensor candle reports that the op has no CUDA implementation).
 //! - [`vocab`]: the row statistics of a cross-entropy over a vocabulary split across ranks, and
 //!   the LM head fused with its loss.
 //!
@@ -24,6 +24,7 @@ mod layer_norm;
 mod residual;
 mod rms_norm;
 mod softmax;
+mod swiglu;
 pub mod vocab;
 
 pub use attention::{CausalAttention, PackedAttention, MAX_CUDA_HEAD_DIM};
@@ -33,3 +34,4 @@ pub use layer_norm::LayerNorm;
 pub use residual::ResidualAdd;
 pub use rms_norm::RmsNorm;
 pub use softmax::CausalSoftmax;
+pub use swiglu::SwiGlu;

@@ -16,6 +16,7 @@ mod layer_norm;
 mod residual;
 mod rms_norm;
 mod softmax;
+mod swiglu;
 
 pub use attention::{causal_attention, causal_attention_packed};
 pub use cross_entropy::cross_entropy;
@@ -24,3 +25,4 @@ pub use layer_norm::{layer_norm, layer_norm_rows};
 pub use residual::residual_add;
 pub use rms_norm::rms_norm;
 pub use softmax::{causal_softmax, causal_softmax_scaled};
+pub use swiglu::swiglu;
