@@ -33,6 +33,61 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     Ok((candle_nn::ops::silu(&gate)? * up)?)
 }
 
+/// The rotary embedding of [`crate::ops::rotary`] from candle's ops: for the half layout
+/// Hugging Face's `q * cos + rotate_half(q) * sin` with `cos` and `sin` repeated over both
+/// halves, for the interleaved one the same on the even and odd elements.
+pub fn rotary(
+    x: &Tensor,
+    table: &Tensor,
+    head_dim: usize,
+    heads: usize,
+    layout: crate::ops::RotaryLayout,
+) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let (seq, width) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+    let half = head_dim / 2;
+    let rot = heads * head_dim;
+    let lead: Vec<usize> = dims[..dims.len() - 1].to_vec();
+    let cos = table.narrow(1, 0, half)?.reshape((seq, 1, half))?;
+    let sin = table.narrow(1, half, half)?.reshape((seq, 1, half))?;
+    let mut hs = lead.clone();
+    hs.extend([heads, head_dim]);
+    let xr = x.narrow(D::Minus1, 0, rot)?.reshape(hs)?;
+    let rotated = match layout {
+        crate::ops::RotaryLayout::Half => {
+            let (a, b) = (
+                xr.narrow(D::Minus1, 0, half)?,
+                xr.narrow(D::Minus1, half, half)?,
+            );
+            let ra = (a.broadcast_mul(&cos)? - b.broadcast_mul(&sin)?)?;
+            let rb = (b.broadcast_mul(&cos)? + a.broadcast_mul(&sin)?)?;
+            Tensor::cat(&[ra, rb], D::Minus1)?
+        }
+        crate::ops::RotaryLayout::Interleaved => {
+            let mut ps = lead.clone();
+            ps.extend([heads, half, 2]);
+            let p = xr.reshape(ps)?;
+            let a = p.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?;
+            let b = p.narrow(D::Minus1, 1, 1)?.squeeze(D::Minus1)?;
+            let ra = (a.broadcast_mul(&cos)? - b.broadcast_mul(&sin)?)?;
+            let rb = (b.broadcast_mul(&cos)? + a.broadcast_mul(&sin)?)?;
+            let mut hs = lead.clone();
+            hs.extend([heads, head_dim]);
+            Tensor::stack(&[ra, rb], D::Minus1)?.reshape(hs)?
+        }
+    };
+    let mut flat = lead;
+    flat.push(rot);
+    let rotated = rotated.reshape(flat)?;
+    if rot == width {
+        return Ok(rotated);
+    }
+    Ok(Tensor::cat(
+        &[rotated, x.narrow(D::Minus1, rot, width - rot)?],
+        D::Minus1,
+    )?)
+}
+
 /// Causal softmax of `scale * x` over the last dimension of `[.., tq, tk]` scores.
 pub fn causal_softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
     let dims = x.dims();

@@ -1,5 +1,5 @@
-//! The fused ops (LayerNorm, RMSNorm, causal softmax, GELU, bias-GELU, SwiGLU, cross-entropy)
-//! against central finite differences (f64), against composite candle implementations (f64, f32, and at sizes that take the multi-threaded path), and in f16 /
+//! The fused ops (LayerNorm, RMSNorm, causal softmax, GELU, bias-GELU, SwiGLU, rotary
+//! embedding, cross-entropy) against central finite differences (f64), against composite candle implementations (f64, f32, and at sizes that take the multi-threaded path), and in f16 /
 //! bf16 against the f32 result on the same inputs.
 //!
 //! Tolerances (|a - e| <= atol + rtol |e|):
@@ -271,6 +271,102 @@ fn swiglu_odd_width_is_an_error() {
     let x = Tensor::zeros((2, 5), DType::F32, &Device::Cpu).unwrap();
     let e = ops::swiglu(&x).unwrap_err().to_string();
     assert!(e.contains("2n") && e.contains("[2, 5]"), "{e}");
+}
+
+/// Rotary on `[2, 5, 3 x 4 + 2]`: 2 heads of 4 rotated, the third head and 2 more columns
+/// passing through (a fused projection's layout), at a small theta so the angles vary. The
+/// table is rounded to bf16 first, so every dtype rotates by the same angles (the half-type
+/// bound is about the rounding of the result, as for the inputs).
+fn rotary_case(layout: ops::RotaryLayout) -> (Box<OpFn>, Box<OpFn>) {
+    let table = move |dtype: DType| {
+        ops::rotary_table(5, 4, 3.0, None, DType::BF16, &Device::Cpu)
+            .and_then(|t| Ok(t.to_dtype(dtype)?))
+            .unwrap()
+    };
+    let fused = move |x: &[Tensor]| -> anyhow::Result<Tensor> {
+        Ok(ops::rotary(&x[0], &table(x[0].dtype()), 4, 2, layout)?)
+    };
+    let composite = move |x: &[Tensor]| -> anyhow::Result<Tensor> {
+        Ok(reference::rotary(
+            &x[0],
+            &table(x[0].dtype()),
+            4,
+            2,
+            layout,
+        )?)
+    };
+    (Box::new(fused), Box::new(composite))
+}
+
+#[test]
+fn rotary_gradients_in_both_layouts() {
+    for layout in [ops::RotaryLayout::Half, ops::RotaryLayout::Interleaved] {
+        let (fused, composite) = rotary_case(layout);
+        check_all(
+            &*fused,
+            &*composite,
+            vec![input("rot.x", &[2, 5, 14], 2.0, 0.0, true)],
+        );
+    }
+}
+
+#[test]
+fn rotary_layouts_differ_and_keep_norms() {
+    let dev = Device::Cpu;
+    let table = ops::rotary_table(5, 4, 3.0, None, DType::F64, &dev).unwrap();
+    let x = Tensor::from_vec(values("rot.l", 40, 1.0, 0.0), (1, 5, 8), &dev).unwrap();
+    let half = ops::rotary(&x, &table, 4, 2, ops::RotaryLayout::Half).unwrap();
+    let inter = ops::rotary(&x, &table, 4, 2, ops::RotaryLayout::Interleaved).unwrap();
+    // a mix-up of the two layouts shows: the same input rotates differently
+    let diff = (&half - &inter).unwrap().abs().unwrap().max_all().unwrap();
+    assert!(diff.to_scalar::<f64>().unwrap() > 0.1);
+    // a rotation keeps each pair's norm, so the row's norm
+    let norms = |t: &Tensor| flat(&t.sqr().unwrap().sum(2).unwrap());
+    assert_close(&norms(&half), &norms(&x), 1e-12, 1e-12);
+}
+
+#[test]
+fn rotary_tables_match_the_formula_and_llama3_scaling() {
+    let t = ops::rotary_table(3, 4, 10_000.0, None, DType::F64, &Device::Cpu).unwrap();
+    let row2 = flat(&t.get(2).unwrap());
+    let f1 = 1.0 / 10_000f64.powf(0.5);
+    let want = [2f64.cos(), (2.0 * f1).cos(), 2f64.sin(), (2.0 * f1).sin()];
+    assert_close(&row2, &want, 1e-15, 1e-15);
+    // Llama 3.1's scaling: high frequencies kept, the lowest divided by the factor
+    let s = ops::Llama3Scaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    let (plain, scaled) = (
+        ops::rotary_inv_freq(128, 500_000.0, None),
+        ops::rotary_inv_freq(128, 500_000.0, Some(s)),
+    );
+    assert_eq!(plain[0], scaled[0]);
+    assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-18);
+    // in between, interpolated: strictly between f / 8 and f
+    let mid = (0..64)
+        .find(|&i| {
+            let w = 2.0 * std::f64::consts::PI / plain[i];
+            w > 8192.0 / 4.0 && w < 8192.0
+        })
+        .unwrap();
+    assert!(scaled[mid] < plain[mid] && scaled[mid] > plain[mid] / 8.0);
+}
+
+#[test]
+fn rotary_bad_inputs_name_what_is_wrong() {
+    let dev = Device::Cpu;
+    let e = ops::rotary_table(4, 5, 1e4, None, DType::F32, &dev).unwrap_err();
+    assert!(e.to_string().contains("head_dim"), "{e}");
+    let table = ops::rotary_table(4, 4, 1e4, None, DType::F32, &dev).unwrap();
+    let x = Tensor::zeros((1, 3, 8), DType::F32, &dev).unwrap();
+    let e = ops::rotary(&x, &table, 4, 2, ops::RotaryLayout::Half).unwrap_err();
+    assert!(e.to_string().contains("[1, 3, 8]"), "{e}");
+    let x = Tensor::zeros((1, 4, 6), DType::F32, &dev).unwrap();
+    let e = ops::rotary(&x, &table, 4, 2, ops::RotaryLayout::Half).unwrap_err();
+    assert!(e.to_string().contains("2 heads of 4"), "{e}");
 }
 
 fn sm_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {

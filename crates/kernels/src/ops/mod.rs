@@ -8,8 +8,8 @@
 //! - [`CausalAttention`] fuses the whole attention product (scores, causal softmax, values)
 //!   without materialising the `seq x seq` scores; [`PackedAttention`] reads it straight from a
 //!   fused QKV projection's output.
-//! - [`RmsNorm`] and [`SwiGlu`]: the Llama family's normalisation and gated MLP activation
-//!   (CPU only so far: on a CUDA tensor candle reports that the op has no CUDA implementation).
+//! - [`RmsNorm`], [`SwiGlu`] and [`Rotary`]: the Llama family's normalisation, gated MLP
+//!   activation and rotary position embedding (CPU only so far: on a CUDA tensor candle reports that the op has no CUDA implementation).
 //! - [`vocab`]: the row statistics of a cross-entropy over a vocabulary split across ranks, and
 //!   the LM head fused with its loss.
 //!
@@ -23,6 +23,7 @@ mod gelu;
 mod layer_norm;
 mod residual;
 mod rms_norm;
+mod rotary;
 mod softmax;
 mod swiglu;
 pub mod vocab;
@@ -33,5 +34,6 @@ pub use gelu::{BiasGelu, Gelu};
 pub use layer_norm::LayerNorm;
 pub use residual::ResidualAdd;
 pub use rms_norm::RmsNorm;
+pub use rotary::{Rotary, RotaryLayout};
 pub use softmax::CausalSoftmax;
 pub use swiglu::SwiGlu;

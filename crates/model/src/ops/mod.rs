@@ -15,6 +15,7 @@ mod gelu;
 mod layer_norm;
 mod residual;
 mod rms_norm;
+mod rotary;
 mod softmax;
 mod swiglu;
 
@@ -24,5 +25,6 @@ pub use gelu::{bias_gelu, gelu};
 pub use layer_norm::{layer_norm, layer_norm_rows};
 pub use residual::residual_add;
 pub use rms_norm::rms_norm;
+pub use rotary::{rotary, rotary_inv_freq, rotary_table, Llama3Scaling, RotaryLayout};
 pub use softmax::{causal_softmax, causal_softmax_scaled};
 pub use swiglu::swiglu;
