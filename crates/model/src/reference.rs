@@ -88,6 +88,15 @@ pub fn rotary(
     )?)
 }
 
+/// [`crate::ops::repeat_kv`] as `transformers` writes it: an expand of a new group dimension
+/// and a reshape.
+pub fn repeat_kv(x: &Tensor, groups: usize) -> Result<Tensor> {
+    let (b, h, s, d) = x.dims4()?;
+    Ok(x.unsqueeze(2)?
+        .broadcast_as((b, h, groups, s, d))?
+        .reshape((b, h * groups, s, d))?)
+}
+
 /// Causal softmax of `scale * x` over the last dimension of `[.., tq, tk]` scores.
 pub fn causal_softmax_scaled(x: &Tensor, scale: f64) -> Result<Tensor> {
     let dims = x.dims();

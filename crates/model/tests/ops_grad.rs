@@ -1,5 +1,5 @@
 //! The fused ops (LayerNorm, RMSNorm, causal softmax, GELU, bias-GELU, SwiGLU, rotary
-//! embedding, cross-entropy) against central finite differences (f64), against composite candle implementations (f64, f32, and at sizes that take the multi-threaded path), and in f16 /
+//! embedding, repeated key/value heads, cross-entropy) against central finite differences (f64), against composite candle implementations (f64, f32, and at sizes that take the multi-threaded path), and in f16 /
 //! bf16 against the f32 result on the same inputs.
 //!
 //! Tolerances (|a - e| <= atol + rtol |e|):
@@ -367,6 +367,59 @@ fn rotary_bad_inputs_name_what_is_wrong() {
     let x = Tensor::zeros((1, 4, 6), DType::F32, &dev).unwrap();
     let e = ops::rotary(&x, &table, 4, 2, ops::RotaryLayout::Half).unwrap_err();
     assert!(e.to_string().contains("2 heads of 4"), "{e}");
+}
+
+fn repeat_kv_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(ops::repeat_kv(&x[0], 3)?)
+}
+fn repeat_kv_composite(x: &[Tensor]) -> anyhow::Result<Tensor> {
+    Ok(reference::repeat_kv(&x[0], 3)?)
+}
+
+#[test]
+fn repeat_kv_gradients() {
+    // 2 key/value heads for 6 query heads: each gradient the sum of its group of 3
+    check_all(
+        &repeat_kv_fused,
+        &repeat_kv_composite,
+        vec![input("rkv.x", &[2, 2, 3, 4], 2.0, 0.0, true)],
+    );
+    let big = vec![input("rkv.big.x", &[4, 2, 128, 64], 2.0, 0.0, true)];
+    check_against_composite(&repeat_kv_fused, &repeat_kv_composite, &big, DType::F32);
+}
+
+#[test]
+fn grouped_query_attention_matches_the_expanded_reference() {
+    // 4 query heads on 2 key/value heads through the fused attention op
+    let gqa = |x: &[Tensor]| -> anyhow::Result<Tensor> {
+        let (k, v) = (ops::repeat_kv(&x[1], 2)?, ops::repeat_kv(&x[2], 2)?);
+        Ok(ops::causal_attention(&x[0], &k, &v, 0.5)?)
+    };
+    let reference = |x: &[Tensor]| -> anyhow::Result<Tensor> {
+        let (k, v) = (
+            reference::repeat_kv(&x[1], 2)?,
+            reference::repeat_kv(&x[2], 2)?,
+        );
+        let s = (x[0].matmul(&k.t()?)? * 0.5)?;
+        Ok(reference::causal_softmax_scaled(&s, 1.0)?.matmul(&v)?)
+    };
+    let mut inputs = vec![
+        input("gqa.q", &[1, 4, 5, 4], 1.0, 0.0, true),
+        input("gqa.k", &[1, 2, 5, 4], 1.0, 0.0, true),
+        input("gqa.v", &[1, 2, 5, 4], 1.0, 0.0, true),
+    ];
+    check_finite_differences(&gqa, &mut inputs);
+    check_against_composite(&gqa, &reference, &inputs, DType::F64);
+    check_against_composite(&gqa, &reference, &inputs, DType::F32);
+    // the attention op's own half-type bounds (tests/attention.rs): it rounds more than once
+    let (y32, g32) = run(&gqa, &inputs, DType::F32, "r");
+    for (dtype, atol, rtol) in [(DType::F16, 2e-4, 4e-3), (DType::BF16, 2e-3, 3e-2)] {
+        let (y, g) = run(&gqa, &inputs, dtype, "r");
+        assert_close(&y, &y32, atol, rtol);
+        for (a, b) in g.iter().zip(&g32) {
+            assert_close(a, b, atol, rtol);
+        }
+    }
 }
 
 fn sm_fused(x: &[Tensor]) -> anyhow::Result<Tensor> {

@@ -8,8 +8,9 @@
 //! - [`CausalAttention`] fuses the whole attention product (scores, causal softmax, values)
 //!   without materialising the `seq x seq` scores; [`PackedAttention`] reads it straight from a
 //!   fused QKV projection's output.
-//! - [`RmsNorm`], [`SwiGlu`] and [`Rotary`]: the Llama family's normalisation, gated MLP
-//!   activation and rotary position embedding (CPU only so far: on a CUDA tensor candle reports that the op has no CUDA implementation).
+//! - [`RmsNorm`], [`SwiGlu`], [`Rotary`] and [`RepeatKv`]: the Llama family's normalisation,
+//!   gated MLP activation, rotary position embedding and grouped-query attention's shared key
+//!   and value heads (CPU only so far: on a CUDA tensor candle reports that the op has no CUDA implementation).
 //! - [`vocab`]: the row statistics of a cross-entropy over a vocabulary split across ranks, and
 //!   the LM head fused with its loss.
 //!
@@ -21,6 +22,7 @@ mod attention;
 mod cross_entropy;
 mod gelu;
 mod layer_norm;
+mod repeat_kv;
 mod residual;
 mod rms_norm;
 mod rotary;
@@ -32,6 +34,7 @@ pub use attention::{CausalAttention, PackedAttention, MAX_CUDA_HEAD_DIM};
 pub use cross_entropy::CrossEntropy;
 pub use gelu::{BiasGelu, Gelu};
 pub use layer_norm::LayerNorm;
+pub use repeat_kv::RepeatKv;
 pub use residual::ResidualAdd;
 pub use rms_norm::RmsNorm;
 pub use rotary::{Rotary, RotaryLayout};
