@@ -17,6 +17,7 @@ use candle_core::cuda_backend::CudaDType;
 use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape, WithDType};
 
 pub(crate) mod attn;
+pub(crate) mod llama;
 pub(crate) mod ops;
 mod staging;
 mod step;

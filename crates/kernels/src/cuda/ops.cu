@@ -295,6 +295,135 @@ __device__ void cross_entropy_bwd(const T* x, const uint32_t* t, const int* coun
 }
 
 // ---------------------------------------------------------------------------------------------
+// the Llama family: RMSNorm (one block per row), SwiGLU, rotary embedding and repeated
+// key/value heads (one thread per element)
+
+template <typename T> __device__ float row_rstd(const T* x, int d, float eps) {
+    float s = 0.f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        const float v = ld(x[j]);
+        s += v * v;
+    }
+    return 1.f / sqrtf(block_sum(s) / (float)d + eps);
+}
+
+template <typename T> __device__ void rms_norm_fwd(const T* x, const T* w, T* y, int d, float eps) {
+    const size_t off = (size_t)blockIdx.x * d;
+    const float rstd = row_rstd(x + off, d, eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x)
+        y[off + j] = st<T>(ld(x[off + j]) * rstd * ld(w[j]));
+}
+
+// dx for each row (block per row) and the row's rstd, for the column sums below
+template <typename T>
+__device__ void rms_norm_bwd_rows(const T* x, const T* w, const T* dy, T* dx, float* stats, int d,
+                                  float eps) {
+    const size_t off = (size_t)blockIdx.x * d;
+    const float rstd = row_rstd(x + off, d, eps);
+    float sgx = 0.f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x)
+        sgx += ld(dy[off + j]) * ld(w[j]) * ld(x[off + j]) * rstd;
+    const float mean_gx = block_sum(sgx) / (float)d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        const float xh = ld(x[off + j]) * rstd;
+        dx[off + j] = st<T>(rstd * (ld(dy[off + j]) * ld(w[j]) - xh * mean_gx));
+    }
+    if (threadIdx.x == 0) stats[blockIdx.x] = rstd;
+}
+
+// d(weight): one thread per column, rows summed in order
+template <typename T>
+__device__ void rms_norm_bwd_cols(const T* x, const T* dy, const float* stats, T* dw, int n,
+                                  int d) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    float sw = 0.f;
+    for (int r = 0; r < n; ++r) {
+        const size_t i = (size_t)r * d + j;
+        sw += ld(dy[i]) * ld(x[i]) * stats[r];
+    }
+    dw[j] = st<T>(sw);
+}
+
+__device__ __forceinline__ float sigmoid_f(float g) { return 1.f / (1.f + __expf(-g)); }
+
+// y [rows, n] = silu(x[.., :n]) * x[.., n:] for x [rows, 2n]; `len` = rows * n
+template <typename T> __device__ void swiglu_fwd(const T* x, T* y, size_t len, int n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const size_t base = (i / n) * 2 * n + i % n;
+    const float g = ld(x[base]);
+    y[i] = st<T>(g * sigmoid_f(g) * ld(x[base + n]));
+}
+
+template <typename T> __device__ void swiglu_bwd(const T* x, const T* dy, T* dx, size_t len, int n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const size_t base = (i / n) * 2 * n + i % n;
+    const float g = ld(x[base]), u = ld(x[base + n]), d = ld(dy[i]);
+    const float s = sigmoid_f(g), silu = g * s;
+    dx[base + n] = st<T>(d * silu);
+    dx[base] = st<T>(d * u * (s + silu * (1.f - s)));
+}
+
+// the first `heads` heads of `head_dim` of each row of x [rows, width] rotated by the angles of
+// position `row % seq` from table [seq, head_dim] (cos, then sin); `sign` -1 is the inverse
+template <typename T>
+__device__ void rotary(const T* x, const T* table, T* y, size_t len, int seq, int width,
+                       int head_dim, int heads, int interleaved, float sign) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const size_t r = i / width;
+    const int c = (int)(i % width);
+    if (c >= heads * head_dim) {
+        y[i] = x[i];
+        return;
+    }
+    const int e = c % head_dim, half = head_dim / 2;
+    int f, partner, first;
+    if (interleaved) {
+        f = e / 2;
+        first = (e % 2) == 0;
+        partner = first ? e + 1 : e - 1;
+    } else {
+        f = e % half;
+        first = e < half;
+        partner = first ? e + half : e - half;
+    }
+    const T* t = table + (r % seq) * head_dim;
+    const float co = ld(t[f]), si = sign * ld(t[half + f]);
+    const float a = ld(x[i]), b = ld(x[i - e + partner]);
+    y[i] = first ? st<T>(a * co - b * si) : st<T>(a * co + b * si);
+}
+
+// y [batch, kv * groups, inner]: head h a copy of head h / groups of x [batch, kv, inner]
+template <typename T>
+__device__ void repeat_kv(const T* x, T* y, size_t len, int kv, int inner, int groups) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const size_t row = i / inner;
+    const int e = (int)(i % inner), heads = kv * groups;
+    const size_t b = row / heads;
+    const int h = (int)(row % heads);
+    y[i] = x[(b * kv + h / groups) * inner + e];
+}
+
+// dx [batch, kv, inner]: each head the sum of its `groups` heads of dy, in order
+template <typename T>
+__device__ void repeat_kv_sum(const T* dy, T* dx, size_t len, int kv, int inner, int groups) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const size_t row = i / inner;
+    const int e = (int)(i % inner);
+    const size_t b = row / kv;
+    const int h = (int)(row % kv);
+    float acc = 0.f;
+    for (int g = 0; g < groups; ++g)
+        acc += ld(dy[((b * kv + h) * groups + g) * inner + e]);
+    dx[i] = st<T>(acc);
+}
+
+// ---------------------------------------------------------------------------------------------
 // the exported entry points, one per element type
 
 #define KILN_OPS(T, S)                                                                          \
@@ -352,3 +481,41 @@ __device__ void cross_entropy_bwd(const T* x, const uint32_t* t, const int* coun
 KILN_OPS(float, f32)
 KILN_OPS(__half, f16)
 KILN_OPS(__nv_bfloat16, bf16)
+
+#define KILN_LLAMA_OPS(T, S)                                                                    \
+    extern "C" __global__ void rms_norm_fwd_##S(const T* x, const T* w, T* y, int d,            \
+                                                float eps) {                                    \
+        rms_norm_fwd<T>(x, w, y, d, eps);                                                       \
+    }                                                                                           \
+    extern "C" __global__ void rms_norm_bwd_rows_##S(const T* x, const T* w, const T* dy,       \
+                                                     T* dx, float* stats, int d, float eps) {   \
+        rms_norm_bwd_rows<T>(x, w, dy, dx, stats, d, eps);                                      \
+    }                                                                                           \
+    extern "C" __global__ void rms_norm_bwd_cols_##S(const T* x, const T* dy,                   \
+                                                     const float* stats, T* dw, int n, int d) { \
+        rms_norm_bwd_cols<T>(x, dy, stats, dw, n, d);                                           \
+    }                                                                                           \
+    extern "C" __global__ void swiglu_fwd_##S(const T* x, T* y, size_t len, int n) {            \
+        swiglu_fwd<T>(x, y, len, n);                                                            \
+    }                                                                                           \
+    extern "C" __global__ void swiglu_bwd_##S(const T* x, const T* dy, T* dx, size_t len,       \
+                                              int n) {                                          \
+        swiglu_bwd<T>(x, dy, dx, len, n);                                                       \
+    }                                                                                           \
+    extern "C" __global__ void rotary_##S(const T* x, const T* table, T* y, size_t len,         \
+                                          int seq, int width, int head_dim, int heads,          \
+                                          int interleaved, float sign) {                        \
+        rotary<T>(x, table, y, len, seq, width, head_dim, heads, interleaved, sign);            \
+    }                                                                                           \
+    extern "C" __global__ void repeat_kv_##S(const T* x, T* y, size_t len, int kv, int inner,   \
+                                             int groups) {                                      \
+        repeat_kv<T>(x, y, len, kv, inner, groups);                                             \
+    }                                                                                           \
+    extern "C" __global__ void repeat_kv_sum_##S(const T* dy, T* dx, size_t len, int kv,        \
+                                                 int inner, int groups) {                       \
+        repeat_kv_sum<T>(dy, dx, len, kv, inner, groups);                                       \
+    }
+
+KILN_LLAMA_OPS(float, f32)
+KILN_LLAMA_OPS(__half, f16)
+KILN_LLAMA_OPS(__nv_bfloat16, bf16)

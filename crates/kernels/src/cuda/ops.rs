@@ -11,7 +11,7 @@ use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, WithDTy
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kiln_kernels_ops.ptx"));
 const MODULE: &str = "kiln_kernels_ops";
 
-fn func(dev: &CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
+pub(crate) fn func(dev: &CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
     plain_func(dev, &format!("{name}_{}", dtype.as_str()))
 }
 

@@ -10,7 +10,8 @@
 //!   fused QKV projection's output.
 //! - [`RmsNorm`], [`SwiGlu`], [`Rotary`] and [`RepeatKv`]: the Llama family's normalisation,
 //!   gated MLP activation, rotary position embedding and grouped-query attention's shared key
-//!   and value heads (CPU only so far: on a CUDA tensor candle reports that the op has no CUDA implementation).
+//!   and value heads; their CUDA kernels (`cuda::llama`) compile for sm_90 but no GPU has run
+//!   them yet.
 //! - [`vocab`]: the row statistics of a cross-entropy over a vocabulary split across ranks, and
 //!   the LM head fused with its loss.
 //!

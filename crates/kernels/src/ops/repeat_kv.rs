@@ -116,6 +116,15 @@ impl CustomOp1 for RepeatKv {
         }
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::llama::repeat_kv((s, l), self.groups, self.sum)
+    }
+
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let op = self.name();
         let (heads, inner) = split(op, l, self.groups, self.sum)?;

@@ -110,6 +110,17 @@ impl CustomOp2 for RmsNorm {
         "kiln-rms-norm"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::llama::rms_norm_fwd((s1, l1), (s2, l2), self.eps)
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -231,6 +242,19 @@ fn rms_bwd<T: Elem>(x: &[T], w: &[T], dy: &[T], eps: f64) -> candle_core::Result
 impl CustomOp3 for RmsNormBwd {
     fn name(&self) -> &'static str {
         "kiln-rms-norm-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::llama::rms_norm_bwd((s1, l1), (s2, l2), (s3, l3), self.eps)
     }
 
     fn cpu_fwd(

@@ -157,6 +157,25 @@ impl CustomOp2 for Rotary {
         }
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        dims(self.name(), self, l1, l2)?;
+        crate::cuda::llama::rotary(
+            (s1, l1),
+            (s2, l2),
+            self.head_dim,
+            self.heads,
+            self.layout == RotaryLayout::Interleaved,
+            self.inverse,
+        )
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,

@@ -119,6 +119,15 @@ impl CustomOp1 for SwiGlu {
         "kiln-swiglu"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::llama::swiglu((s, l), None)
+    }
+
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let op = self.name();
         let width = l.shape().dims().last().copied().unwrap_or(0);
@@ -146,6 +155,17 @@ struct SwiGluBwd;
 impl CustomOp2 for SwiGluBwd {
     fn name(&self) -> &'static str {
         "kiln-swiglu-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        crate::cuda::llama::swiglu((s1, l1), Some((s2, l2)))
     }
 
     fn cpu_fwd(

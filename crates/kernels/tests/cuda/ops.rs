@@ -4,7 +4,10 @@
 use crate::common::{gpu, host, tol, values, worst};
 
 use candle_core::{DType, Device, Tensor, Var};
-use kiln_kernels::ops::{BiasGelu, CausalSoftmax, CrossEntropy, Gelu, LayerNorm};
+use kiln_kernels::ops::{
+    BiasGelu, CausalSoftmax, CrossEntropy, Gelu, LayerNorm, RepeatKv, RmsNorm, Rotary,
+    RotaryLayout, SwiGlu,
+};
 
 /// Runs `f` on the CPU and on the GPU with variables made from `inputs` (shape, salt) in
 /// `dtype`; compares the output and the gradient of every input.
@@ -93,6 +96,39 @@ fn fused_ops_on_cuda_equal_the_cpu() {
                 ignore_index: Some(7),
             };
             v[0].apply_op2(&targets, op).unwrap()
+        });
+    }
+}
+
+#[test]
+fn llama_ops_on_cuda_equal_the_cpu() {
+    let Some(dev) = gpu("llama_ops_on_cuda_equal_the_cpu") else {
+        return;
+    };
+    for dtype in DTYPES {
+        compare(
+            "rms_norm",
+            &dev,
+            dtype,
+            &[(&[6, 300], 11), (&[300], 12)],
+            |v| v[0].apply_op2(&v[1], RmsNorm::new(1e-5)).unwrap(),
+        );
+        compare("swiglu", &dev, dtype, &[(&[7, 2 * 129], 13)], |v| {
+            v[0].apply_op1(SwiGlu).unwrap()
+        });
+        // 3 heads of 8 rotated in rows of 30 (the rest passes through), 5 positions
+        for layout in [RotaryLayout::Half, RotaryLayout::Interleaved] {
+            compare("rotary", &dev, dtype, &[(&[2, 5, 30], 14)], |v| {
+                let x = &v[0];
+                let table = Tensor::from_vec(values(5 * 8, 15), (5, 8), x.device())
+                    .unwrap()
+                    .to_dtype(x.dtype())
+                    .unwrap();
+                x.apply_op2(&table, Rotary::new(8, 3, layout)).unwrap()
+            });
+        }
+        compare("repeat_kv", &dev, dtype, &[(&[2, 3, 5, 8], 16)], |v| {
+            v[0].apply_op1(RepeatKv::new(4)).unwrap()
         });
     }
 }
