@@ -356,6 +356,39 @@ fn rotary_tables_match_the_formula_and_llama3_scaling() {
 }
 
 #[test]
+fn rope_scaling_reads_llama3_and_names_what_it_cannot() {
+    use serde_json::json;
+    let read = ops::Llama3Scaling::from_hf;
+    assert_eq!(read(&json!(null)).unwrap(), None);
+    assert_eq!(read(&json!({"rope_type": "default"})).unwrap(), None);
+    // Llama 3.1's config.json, and the older `type` key
+    let want = ops::Llama3Scaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 8192,
+    };
+    for key in ["rope_type", "type"] {
+        let v = json!({key: "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        assert_eq!(read(&v).unwrap(), Some(want));
+    }
+    for kind in ["linear", "dynamic", "yarn", "longrope"] {
+        let e = read(&json!({"rope_type": kind, "factor": 2.0}))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("rope_scaling.rope_type") && e.contains(kind),
+            "{e}"
+        );
+    }
+    let e = read(&json!({"rope_type": "llama3", "factor": 8.0}))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rope_scaling.low_freq_factor"), "{e}");
+}
+
+#[test]
 fn rotary_bad_inputs_name_what_is_wrong() {
     let dev = Device::Cpu;
     let e = ops::rotary_table(4, 5, 1e4, None, DType::F32, &dev).unwrap_err();

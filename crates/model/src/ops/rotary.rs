@@ -24,6 +24,62 @@ pub struct Llama3Scaling {
     pub original_max_position_embeddings: usize,
 }
 
+impl Llama3Scaling {
+    /// The scaling a Hugging Face `config.json`'s `rope_scaling` describes: `null` (or absent)
+    /// is none, `{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    /// "original_max_position_embeddings"}` (older files say `type`) is Llama 3's; any other
+    /// type (`linear`, `dynamic`, `yarn`, `longrope`, ...) or a missing field is an error naming
+    /// it.
+    ///
+    /// ```
+    /// use kiln_model::ops::Llama3Scaling;
+    /// let v = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    ///     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    /// assert_eq!(Llama3Scaling::from_hf(&v)?.map(|s| s.factor), Some(8.0));
+    /// let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
+    /// assert!(Llama3Scaling::from_hf(&yarn).unwrap_err().to_string().contains("yarn"));
+    /// # Ok::<(), kiln_model::ModelError>(())
+    /// ```
+    pub fn from_hf(rope_scaling: &serde_json::Value) -> Result<Option<Self>> {
+        if rope_scaling.is_null() {
+            return Ok(None);
+        }
+        let kind = rope_scaling
+            .get("rope_type")
+            .or_else(|| rope_scaling.get("type"))
+            .and_then(|t| t.as_str());
+        match kind {
+            Some("llama3") => {}
+            Some("default") => return Ok(None),
+            other => {
+                return Err(ModelError::HfConfig {
+                    field: "rope_scaling.rope_type",
+                    got: other.map_or_else(|| rope_scaling.to_string(), |t| format!("{t:?}")),
+                    expected: "\"llama3\" (or no rope_scaling); linear, dynamic, yarn and \
+                               longrope scaling are not supported",
+                })
+            }
+        }
+        let num = |field: &'static str| {
+            rope_scaling
+                .get(field.trim_start_matches("rope_scaling."))
+                .and_then(|v| v.as_f64())
+                .ok_or_else(|| ModelError::HfConfig {
+                    field,
+                    got: rope_scaling.to_string(),
+                    expected: "a number",
+                })
+        };
+        Ok(Some(Self {
+            factor: num("rope_scaling.factor")?,
+            low_freq_factor: num("rope_scaling.low_freq_factor")?,
+            high_freq_factor: num("rope_scaling.high_freq_factor")?,
+            original_max_position_embeddings: num("rope_scaling.original_max_position_embeddings")?
+                as usize,
+        }))
+    }
+}
+
 /// The inverse frequencies `theta^(-2i / head_dim)` for `i < head_dim / 2`, scaled as
 /// `scaling` says (Hugging Face's `_compute_default_rope_parameters` and
 /// `_compute_llama3_parameters`, in f64).
