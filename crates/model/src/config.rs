@@ -1,10 +1,58 @@
-//! [`GptConfig`]: the shape of a GPT-3-style decoder, its presets, parameter count and FLOPs.
+//! [`GptConfig`]: the architecture of a decoder (the GPT-3 family and the Llama family), its
+//! presets, parameter count and FLOPs.
 
 use crate::error::{ModelError, Result};
+use crate::ops::Llama3Scaling;
 use serde::{Deserialize, Serialize};
 
-/// The architecture of a GPT-3-style decoder: pre-LayerNorm blocks, learned positions, causal
-/// multi-head attention, a 4x GELU MLP, and an LM head tied to the token embedding.
+/// The normalisation of every block and of the final hidden states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    /// LayerNorm with a gain and a shift (GPT).
+    #[default]
+    LayerNorm,
+    /// RMSNorm with a gain only (Llama).
+    RmsNorm,
+}
+
+/// How positions enter the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PositionKind {
+    /// A learned embedding of `n_ctx` positions added to the token embedding (GPT).
+    #[default]
+    Learned,
+    /// Rotary embeddings of the queries and keys ([`crate::ops::rotary`], Hugging Face's
+    /// `rotate_half` pairing), with [`GptConfig::rope_theta`] and
+    /// [`GptConfig::rope_scaling`] (Llama).
+    Rotary,
+}
+
+/// The MLP of every block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MlpKind {
+    /// `fc2(gelu(fc1(x)))` (GPT; tanh-approximated GELU).
+    #[default]
+    Gelu,
+    /// `down(silu(gate(x)) * up(x))` (Llama), gate and up one fused product.
+    #[serde(rename = "swiglu")]
+    SwiGlu,
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
+
+/// The architecture of a pre-norm decoder. The defaults are GPT-3's: LayerNorm, learned
+/// positions, causal multi-head attention, a 4x GELU MLP, biases, and an LM head tied to the
+/// token embedding. The Llama family sets [`NormKind::RmsNorm`], [`PositionKind::Rotary`],
+/// [`MlpKind::SwiGlu`] with its own hidden size, fewer key/value heads than query heads
+/// (grouped-query attention), no biases and an untied head ([`GptConfig::llama3_8b`]).
+///
+/// The fields beyond the GPT sizes are left out of the JSON when they hold GPT's values, so a
+/// GPT config serialises (and hashes) as it always has.
 ///
 /// All sizes are validated by [`GptConfig::validate`] (the model calls it at construction).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -19,7 +67,7 @@ pub struct GptConfig {
     pub n_layers: usize,
     /// Attention heads per block; must divide `d_model`.
     pub n_heads: usize,
-    /// Epsilon of every LayerNorm.
+    /// Epsilon of every norm (LayerNorm or RMSNorm).
     #[serde(default = "default_eps")]
     pub layer_norm_eps: f64,
     /// Scale the initialisation of the residual output projections (`attn.c_proj`,
@@ -29,6 +77,51 @@ pub struct GptConfig {
     /// Standard deviation of the normal initialisation of the token and position embeddings.
     #[serde(default = "default_embedding_std")]
     pub embedding_std: f64,
+    /// LayerNorm or RMSNorm.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub norm: NormKind,
+    /// Learned or rotary positions.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub positions: PositionKind,
+    /// The base of the rotary frequencies (10000 in Llama 2, 500000 in Llama 3); read with
+    /// [`PositionKind::Rotary`] only.
+    #[serde(
+        default = "default_rope_theta",
+        skip_serializing_if = "is_default_theta"
+    )]
+    pub rope_theta: f64,
+    /// Llama 3.1's scaling of the rotary frequencies for a longer context; none by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<Llama3Scaling>,
+    /// GELU or SwiGLU.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub mlp: MlpKind,
+    /// The MLP's hidden width (Hugging Face's `intermediate_size`); none: `4 * d_model`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ffn_hidden_size: Option<usize>,
+    /// Key/value heads (Hugging Face's `num_key_value_heads`): none or `n_heads` is
+    /// multi-head attention, fewer is grouped-query attention, 1 multi-query; must divide
+    /// `n_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_kv_heads: Option<usize>,
+    /// Biases on every linear layer and a shift on every LayerNorm's output; false for Llama
+    /// (whose RMSNorm has no shift in any case).
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub bias: bool,
+    /// The LM head is the token embedding (true, GPT) or a matrix of its own (`lm_head`,
+    /// Llama).
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub tied_embeddings: bool,
+}
+
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+fn is_default_theta(v: &f64) -> bool {
+    *v == default_rope_theta()
+}
+fn is_true(v: &bool) -> bool {
+    *v
 }
 
 fn default_eps() -> f64 {
@@ -52,6 +145,11 @@ pub const PRESET_NAMES: &[&str] = &[
     "gpt3_2_7b",
     "gpt3_6_7b",
     "gpt3_175b",
+    "llama_tiny",
+    "llama_cpu",
+    "llama3_8b",
+    "llama3_70b",
+    "llama3_405b",
 ];
 
 impl GptConfig {
@@ -73,7 +171,82 @@ impl GptConfig {
             layer_norm_eps: default_eps(),
             scaled_residual_init: true,
             embedding_std: default_embedding_std(),
+            norm: NormKind::LayerNorm,
+            positions: PositionKind::Learned,
+            rope_theta: default_rope_theta(),
+            rope_scaling: None,
+            mlp: MlpKind::Gelu,
+            ffn_hidden_size: None,
+            n_kv_heads: None,
+            bias: true,
+            tied_embeddings: true,
         }
+    }
+
+    /// The Llama layout at the given sizes: RMSNorm (eps 1e-5), rotary positions (theta
+    /// `rope_theta`), a SwiGLU MLP of `ffn` hidden units, `n_kv_heads` key/value heads, no
+    /// biases, an untied LM head. Initialised as kiln's GPT (Xavier-uniform matrices, the
+    /// residual projections scaled, `N(0, 0.02)` embeddings and head), not Hugging Face's
+    /// `N(0, 0.02)` for every matrix. Not validated: call [`GptConfig::validate`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn llama(
+        vocab_size: usize,
+        n_ctx: usize,
+        d_model: usize,
+        n_layers: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        ffn: usize,
+        rope_theta: f64,
+    ) -> Self {
+        Self {
+            norm: NormKind::RmsNorm,
+            positions: PositionKind::Rotary,
+            rope_theta,
+            mlp: MlpKind::SwiGlu,
+            ffn_hidden_size: Some(ffn),
+            n_kv_heads: Some(n_kv_heads),
+            bias: false,
+            tied_embeddings: false,
+            ..Self::new(vocab_size, n_ctx, d_model, n_layers, n_heads)
+        }
+    }
+
+    /// A Llama test model of about 0.5M parameters: vocab 512, context 64, d_model 128, 2
+    /// layers, 4 query heads sharing 2 key/value heads, SwiGLU hidden 352 (Llama's
+    /// `8d/3` rounded up to a multiple of 32).
+    pub fn llama_tiny() -> Self {
+        Self::llama(512, 64, 128, 2, 4, 2, 352, 10_000.0)
+    }
+
+    /// The Llama training model of the examples (about 7.0M parameters, 2.8M outside the
+    /// embeddings): vocab 8192, context 128, d_model 256, 4 layers, 8 query heads of 32
+    /// sharing 2 key/value heads, SwiGLU hidden 704, theta 10000; the Llama counterpart of
+    /// [`GptConfig::small_cpu`].
+    pub fn llama_cpu() -> Self {
+        Self::llama(8192, 128, 256, 4, 8, 2, 704, 10_000.0)
+    }
+
+    /// Llama 3 8B as published (Meta's `params.json`, Hugging Face's `config.json`): vocab
+    /// 128256, context 8192, d_model 4096, 32 layers, 32 query heads and 8 key/value heads of
+    /// 128, SwiGLU hidden 14336, theta 500000. 8,030,261,248 parameters.
+    pub fn llama3_8b() -> Self {
+        Self::llama(128_256, 8192, 4096, 32, 32, 8, 14_336, 500_000.0)
+    }
+
+    /// Llama 3 70B: d_model 8192, 80 layers, 64 query heads and 8 key/value heads of 128,
+    /// SwiGLU hidden 28672; vocab, context and theta as [`GptConfig::llama3_8b`].
+    /// 70,553,706,496 parameters.
+    pub fn llama3_70b() -> Self {
+        Self::llama(128_256, 8192, 8192, 80, 64, 8, 28_672, 500_000.0)
+    }
+
+    /// Llama 3.1 405B: d_model 16384, 126 layers, 128 query heads and 8 key/value heads of
+    /// 128, SwiGLU hidden 53248; vocab and theta as [`GptConfig::llama3_8b`], at the 8192
+    /// positions of pre-training (the published 131072 come with Llama 3.1's rotary scaling,
+    /// which [`GptConfig::rope_scaling`] sets). 405,853,388,800 parameters.
+    pub fn llama3_405b() -> Self {
+        Self::llama(128_256, 8192, 16_384, 126, 128, 8, 53_248, 500_000.0)
     }
 
     fn gpt3(n_layers: usize, d_model: usize, n_heads: usize) -> Self {
@@ -151,6 +324,11 @@ impl GptConfig {
             "gpt3_2_7b" => Self::gpt3_2_7b(),
             "gpt3_6_7b" => Self::gpt3_6_7b(),
             "gpt3_175b" | "gpt3" => Self::gpt3_175b(),
+            "llama_tiny" => Self::llama_tiny(),
+            "llama_cpu" => Self::llama_cpu(),
+            "llama3_8b" => Self::llama3_8b(),
+            "llama3_70b" => Self::llama3_70b(),
+            "llama3_405b" | "llama3_1_405b" => Self::llama3_405b(),
             _ => {
                 return Err(ModelError::UnknownPreset {
                     name: name.to_string(),
@@ -201,7 +379,82 @@ impl GptConfig {
                 expected: "finite and >= 0",
             });
         }
+        if self.ffn_hidden_size == Some(0) {
+            return Err(ModelError::ZeroDimension {
+                field: "ffn_hidden_size",
+            });
+        }
+        match self.n_kv_heads {
+            Some(0) => {
+                return Err(ModelError::ZeroDimension {
+                    field: "n_kv_heads",
+                })
+            }
+            Some(kv) if self.n_heads % kv != 0 => {
+                return Err(ModelError::Config {
+                    field: "n_kv_heads",
+                    reason: format!(
+                        "n_kv_heads ({kv}) must divide n_heads ({}): each key/value head serves \
+                         a whole group of query heads",
+                        self.n_heads
+                    ),
+                })
+            }
+            _ => {}
+        }
+        if self.positions == PositionKind::Rotary {
+            let hd = self.head_dim();
+            if hd % 2 != 0 {
+                return Err(ModelError::Config {
+                    field: "positions",
+                    reason: format!(
+                        "rotary positions rotate pairs of elements, so the head dimension \
+                         (d_model {} / n_heads {} = {hd}) must be even",
+                        self.d_model, self.n_heads
+                    ),
+                });
+            }
+            if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+                return Err(ModelError::InvalidValue {
+                    field: "rope_theta",
+                    value: self.rope_theta,
+                    expected: "finite and > 1",
+                });
+            }
+            if let Some(s) = self.rope_scaling {
+                let ok = s.factor.is_finite()
+                    && s.factor >= 1.0
+                    && s.low_freq_factor > 0.0
+                    && s.high_freq_factor > s.low_freq_factor
+                    && s.original_max_position_embeddings > 0;
+                if !ok {
+                    return Err(ModelError::Config {
+                        field: "rope_scaling",
+                        reason: format!(
+                            "{s:?}: expected factor >= 1, 0 < low_freq_factor < \
+                             high_freq_factor and original_max_position_embeddings > 0"
+                        ),
+                    });
+                }
+            }
+        } else if self.rope_scaling.is_some() {
+            return Err(ModelError::Config {
+                field: "rope_scaling",
+                reason: "set with learned positions; it scales rotary frequencies only".into(),
+            });
+        }
         Ok(())
+    }
+
+    /// Key/value heads: [`GptConfig::n_kv_heads`], or `n_heads` when unset.
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// Whether the attention has fewer key/value heads than query heads (grouped-query or
+    /// multi-query attention).
+    pub fn grouped_query(&self) -> bool {
+        self.kv_heads() != self.n_heads
     }
 
     /// Width of one attention head, `d_model / n_heads`.
@@ -209,38 +462,61 @@ impl GptConfig {
         self.d_model / self.n_heads.max(1)
     }
 
-    /// Width of the MLP's hidden layer, `4 * d_model`.
+    /// Width of the MLP's hidden layer: [`GptConfig::ffn_hidden_size`], or `4 * d_model`.
     pub fn d_ff(&self) -> usize {
-        4 * self.d_model
+        self.ffn_hidden_size.unwrap_or(4 * self.d_model)
     }
 
-    /// Parameters of one block: two LayerNorms (gain and bias), the fused QKV projection and
-    /// the attention output projection, fc1 and fc2, all with biases: `12 d^2 + 13 d`.
+    /// Parameters of one norm: a gain, and a shift for a LayerNorm with biases.
+    fn norm_param_count(&self) -> u64 {
+        let shift = self.norm == NormKind::LayerNorm && self.bias;
+        self.d_model as u64 * if shift { 2 } else { 1 }
+    }
+
+    /// Parameters of one block: two norms, the query, key and value projections and the
+    /// attention output projection, the MLP (fc1 and fc2, or the fused gate and up and the
+    /// down projection), with biases if [`GptConfig::bias`]. GPT: `12 d^2 + 13 d`.
     pub fn block_param_count(&self) -> u64 {
         let d = self.d_model as u64;
         let f = self.d_ff() as u64;
-        let ln = 2 * d;
-        let attn = (d * 3 * d + 3 * d) + (d * d + d);
-        let mlp = (d * f + f) + (f * d + d);
-        2 * ln + attn + mlp
+        let hd = self.head_dim() as u64;
+        let (q, kv) = (self.n_heads as u64 * hd, self.kv_heads() as u64 * hd);
+        let b = u64::from(self.bias);
+        let attn = d * (q + 2 * kv) + b * (q + 2 * kv) + q * d + b * d;
+        let up = match self.mlp {
+            MlpKind::Gelu => f,
+            MlpKind::SwiGlu => 2 * f,
+        };
+        let mlp = d * up + b * up + f * d + b * d;
+        2 * self.norm_param_count() + attn + mlp
     }
 
-    /// Embedding parameters: the token embedding (shared with the LM head) and the learned
-    /// positions, `(vocab + n_ctx) * d`.
+    /// Embedding parameters: the token embedding, the learned positions (none with rotary
+    /// ones) and an untied LM head: GPT `(vocab + n_ctx) * d`, Llama `2 * vocab * d`.
     pub fn embedding_param_count(&self) -> u64 {
-        (self.vocab_size as u64 + self.n_ctx as u64) * self.d_model as u64
+        let positions = match self.positions {
+            PositionKind::Learned => self.n_ctx as u64,
+            PositionKind::Rotary => 0,
+        };
+        let head = if self.tied_embeddings {
+            0
+        } else {
+            self.vocab_size as u64
+        };
+        (self.vocab_size as u64 + positions + head) * self.d_model as u64
     }
 
-    /// Every trainable parameter, counted once: embeddings (the LM head is tied, so it adds
-    /// nothing), `n_layers` blocks, and the final LayerNorm. GPT-3 175B: 174,604,259,328.
+    /// Every trainable parameter, counted once: embeddings (a tied LM head adds nothing),
+    /// `n_layers` blocks, and the final norm. GPT-3 175B: 174,604,259,328; Llama 3 8B:
+    /// 8,030,261,248.
     pub fn param_count(&self) -> u64 {
         self.embedding_param_count() + self.non_embedding_param_count()
     }
 
-    /// Parameters outside the token and position embeddings: the blocks and the final
-    /// LayerNorm. This is the `N` of Kaplan et al. and of PaLM's FLOPs formula.
+    /// Parameters outside the token and position embeddings and the LM head: the blocks and
+    /// the final norm. This is the `N` of Kaplan et al. and of PaLM's FLOPs formula.
     pub fn non_embedding_param_count(&self) -> u64 {
-        self.n_layers as u64 * self.block_param_count() + 2 * self.d_model as u64
+        self.n_layers as u64 * self.block_param_count() + self.norm_param_count()
     }
 
     /// The sizes kiln-memory's estimates and kiln-parallel's degree checks take
@@ -278,7 +554,8 @@ impl GptConfig {
         6.0 * n + attn
     }
 
-    /// FLOPs per token of the tied LM head's matmul, forward and backward: `6 * vocab * d`.
+    /// FLOPs per token of the LM head's matmul (tied or not), forward and backward:
+    /// `6 * vocab * d`.
     pub fn lm_head_flops_per_token(&self) -> f64 {
         6.0 * self.vocab_size as f64 * self.d_model as f64
     }
@@ -383,6 +660,90 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn llama3_counts_match_the_published_ones() {
+        // Hugging Face's num_parameters() of meta-llama/Meta-Llama-3-8B and -70B, and the
+        // 405B's published count
+        for (c, n) in [
+            (GptConfig::llama3_8b(), 8_030_261_248u64),
+            (GptConfig::llama3_70b(), 70_553_706_496),
+            (GptConfig::llama3_405b(), 405_853_388_800),
+        ] {
+            c.validate().unwrap();
+            assert_eq!(c.param_count(), n, "{c:?}");
+            assert_eq!(c.head_dim(), 128);
+            assert_eq!(c.kv_heads(), 8);
+        }
+        // by hand, 8B: embeddings and head 2 * 128256 * 4096; per block q and o 2 * 4096^2,
+        // k and v 2 * 4096 * 1024, the MLP 3 * 4096 * 14336, two RMSNorms; the final one
+        let c = GptConfig::llama3_8b();
+        let block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096;
+        assert_eq!(c.block_param_count(), block);
+        assert_eq!(c.embedding_param_count(), 2 * 128_256 * 4096);
+        assert_eq!(c.non_embedding_param_count(), 32 * block + 4096);
+        let tiny = GptConfig::llama_tiny();
+        tiny.validate().unwrap();
+        assert!(tiny.grouped_query() && !GptConfig::tiny().grouped_query());
+    }
+
+    #[test]
+    fn architecture_settings_that_do_not_fit_are_named() {
+        let mut c = GptConfig::llama_tiny();
+        c.n_kv_heads = Some(3);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("n_kv_heads (3) must divide n_heads (4)"), "{e}");
+        c.n_kv_heads = Some(0);
+        assert!(matches!(
+            c.validate(),
+            Err(ModelError::ZeroDimension {
+                field: "n_kv_heads"
+            })
+        ));
+        // d_model 120 over 8 heads: 15-wide heads cannot rotate in pairs
+        let mut c = GptConfig::llama_tiny();
+        (c.d_model, c.n_heads, c.n_kv_heads) = (120, 8, Some(2));
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("head dimension") && e.contains("= 15"), "{e}");
+        let mut c = GptConfig::llama_tiny();
+        c.rope_theta = 0.5;
+        assert!(matches!(
+            c.validate(),
+            Err(ModelError::InvalidValue {
+                field: "rope_theta",
+                ..
+            })
+        ));
+        let mut c = GptConfig::tiny();
+        c.rope_scaling = Some(Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        });
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("rope_scaling") && e.contains("learned"), "{e}");
+        let mut c = GptConfig::llama_tiny();
+        c.ffn_hidden_size = Some(0);
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn gpt_json_is_unchanged_and_llama_json_round_trips() {
+        // the GPT presets serialise exactly as before the architecture fields existed, so
+        // their checkpoints' architecture hash is unchanged
+        assert_eq!(
+            serde_json::to_string(&GptConfig::tiny()).unwrap(),
+            r#"{"vocab_size":512,"n_ctx":64,"d_model":128,"n_layers":2,"n_heads":4,"layer_norm_eps":0.00001,"scaled_residual_init":true,"embedding_std":0.02}"#
+        );
+        let c = GptConfig::llama3_8b();
+        let s = serde_json::to_string(&c).unwrap();
+        assert!(
+            s.contains(r#""norm":"rms_norm""#) && s.contains(r#""mlp":"swiglu""#),
+            "{s}"
+        );
+        assert_eq!(serde_json::from_str::<GptConfig>(&s).unwrap(), c);
     }
 
     #[test]

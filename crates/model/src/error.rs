@@ -23,6 +23,14 @@ pub enum ModelError {
         /// Model width.
         d_model: usize,
     },
+    /// Two or more settings of the architecture do not fit together.
+    #[error("invalid config: {field}: {reason}")]
+    Config {
+        /// The config field.
+        field: &'static str,
+        /// What is wrong, with the values involved.
+        reason: String,
+    },
     /// A numeric setting is out of its valid range.
     #[error("invalid value for {field}: {value} ({expected})")]
     InvalidValue {

@@ -201,28 +201,54 @@ const LINEARS: &[&str] = &["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj
 /// Every parameter of `cfg`'s model by kiln name, with its whole (tp = 1) shape as
 /// [`crate::Gpt::named_parameters`] holds it, in that order.
 pub fn gpt_param_shapes(cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+    use crate::config::{MlpKind, NormKind, PositionKind};
     let (d, f) = (cfg.d_model, cfg.d_ff());
-    let mut out = vec![
-        ("wte".to_string(), vec![cfg.vocab_size, d]),
-        ("wpe".to_string(), vec![cfg.n_ctx, d]),
-    ];
+    let (q, kv) = (
+        cfg.n_heads * cfg.head_dim(),
+        cfg.kv_heads() * cfg.head_dim(),
+    );
+    let up = match cfg.mlp {
+        MlpKind::Gelu => f,
+        MlpKind::SwiGlu => 2 * f,
+    };
+    let norm_shift = cfg.norm == NormKind::LayerNorm && cfg.bias;
+    let mut out = vec![("wte".to_string(), vec![cfg.vocab_size, d])];
+    if cfg.positions == PositionKind::Learned {
+        out.push(("wpe".to_string(), vec![cfg.n_ctx, d]));
+    }
     for i in 0..cfg.n_layers {
-        let mut add = |name: &str, shape: Vec<usize>| out.push((format!("h.{i}.{name}"), shape));
-        add("ln_1.weight", vec![d]);
-        add("ln_1.bias", vec![d]);
-        add("attn.c_attn.weight", vec![3 * d, d]);
-        add("attn.c_attn.bias", vec![3 * d]);
-        add("attn.c_proj.weight", vec![d, d]);
-        add("attn.c_proj.bias", vec![d]);
-        add("ln_2.weight", vec![d]);
-        add("ln_2.bias", vec![d]);
-        add("mlp.c_fc.weight", vec![f, d]);
-        add("mlp.c_fc.bias", vec![f]);
-        add("mlp.c_proj.weight", vec![d, f]);
-        add("mlp.c_proj.bias", vec![d]);
+        let norm = |out: &mut Vec<_>, name: &str| {
+            out.push((format!("h.{i}.{name}.weight"), vec![d]));
+            if norm_shift {
+                out.push((format!("h.{i}.{name}.bias"), vec![d]));
+            }
+        };
+        let linear = |out: &mut Vec<_>, name: &str, out_f: usize, in_f: usize| {
+            out.push((format!("h.{i}.{name}.weight"), vec![out_f, in_f]));
+            if cfg.bias {
+                out.push((format!("h.{i}.{name}.bias"), vec![out_f]));
+            }
+        };
+        norm(&mut out, "ln_1");
+        if cfg.grouped_query() {
+            linear(&mut out, "attn.q_proj", q, d);
+            linear(&mut out, "attn.k_proj", kv, d);
+            linear(&mut out, "attn.v_proj", kv, d);
+        } else {
+            linear(&mut out, "attn.c_attn", 3 * q, d);
+        }
+        linear(&mut out, "attn.c_proj", d, q);
+        norm(&mut out, "ln_2");
+        linear(&mut out, "mlp.c_fc", up, d);
+        linear(&mut out, "mlp.c_proj", d, f);
     }
     out.push(("ln_f.weight".to_string(), vec![d]));
-    out.push(("ln_f.bias".to_string(), vec![d]));
+    if norm_shift {
+        out.push(("ln_f.bias".to_string(), vec![d]));
+    }
+    if !cfg.tied_embeddings {
+        out.push(("lm_head".to_string(), vec![cfg.vocab_size, d]));
+    }
     out
 }
 

@@ -19,8 +19,20 @@ pub enum LinearKind {
     AttnOut,
     /// The MLP's first layer `d -> 4d` (fc1); column-parallel.
     MlpUp,
-    /// The MLP's second layer `4d -> d` (fc2); row-parallel.
+    /// The MLP's second layer `4d -> d` (fc2, or a SwiGLU's down projection); row-parallel.
     MlpDown,
+    /// The query projection of grouped-query attention `d -> heads * head_dim`;
+    /// column-parallel by heads.
+    AttnQ,
+    /// The key projection of grouped-query attention `d -> kv_heads * head_dim`;
+    /// column-parallel by key/value heads, or replicated where the tensor-parallel degree
+    /// exceeds them ([`crate::TensorParallelFactory`]).
+    AttnK,
+    /// The value projection of grouped-query attention; split as [`LinearKind::AttnK`].
+    AttnV,
+    /// A SwiGLU MLP's fused gate and up projection `d -> 2f`, output `[gate | up]`;
+    /// column-parallel, rank `r` holding `[gate_r | up_r]`.
+    MlpGateUp,
 }
 
 /// How Megatron splits a layer across tensor-parallel ranks.
@@ -36,7 +48,12 @@ impl LinearKind {
     /// The Megatron split of this layer.
     pub fn parallel_style(self) -> ParallelStyle {
         match self {
-            LinearKind::AttnQkv | LinearKind::MlpUp => ParallelStyle::Column,
+            LinearKind::AttnQkv
+            | LinearKind::MlpUp
+            | LinearKind::AttnQ
+            | LinearKind::AttnK
+            | LinearKind::AttnV
+            | LinearKind::MlpGateUp => ParallelStyle::Column,
             LinearKind::AttnOut | LinearKind::MlpDown => ParallelStyle::Row,
         }
     }
@@ -62,14 +79,20 @@ pub struct LinearSpec {
 
 impl LinearSpec {
     /// How the layer's parameters are split over tensor-parallel ranks (Megatron-LM): the
-    /// fused QKV by heads, fc1 (column-parallel) by output rows, the row-parallel output
+    /// fused QKV by heads, fc1 and the query, key and value projections (column-parallel) by
+    /// output rows, a SwiGLU's gate and up by rows of each half, the row-parallel output
     /// projections' weights by input columns with their biases replicated. The answer does not
     /// depend on the degree: at tp = 1 it shapes checkpoints (a QKV weight is stored
-    /// `[3, d, in]`), so they reshard to any degree.
+    /// `[3, d, in]`), so they reshard to any degree. (Key and value projections replicated
+    /// over a degree above their heads say so themselves,
+    /// [`LinearLayer::param_splits`]: the checkpoint shape is the same.)
     pub fn param_splits(&self) -> Vec<(String, TpSplit)> {
         let (w, b) = match self.kind {
             LinearKind::AttnQkv => (TpSplit::Qkv, TpSplit::Qkv),
-            LinearKind::MlpUp => (TpSplit::Rows, TpSplit::Rows),
+            LinearKind::MlpGateUp => (TpSplit::GateUp, TpSplit::GateUp),
+            LinearKind::MlpUp | LinearKind::AttnQ | LinearKind::AttnK | LinearKind::AttnV => {
+                (TpSplit::Rows, TpSplit::Rows)
+            }
             LinearKind::AttnOut | LinearKind::MlpDown => (TpSplit::Cols, TpSplit::Replicated),
         };
         let mut out = vec![(format!("{}.weight", self.name), w)];

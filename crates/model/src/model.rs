@@ -1,7 +1,7 @@
 //! [`Gpt`]: the GPT-3-style decoder, runnable whole or as a chain of [`Segment`]s.
 
-use crate::block::{Block, Norm};
-use crate::config::GptConfig;
+use crate::block::{Block, Norm, RotaryTables};
+use crate::config::{GptConfig, PositionKind};
 use crate::error::{ModelError, Result};
 use crate::init::{Init, Initializer};
 use crate::linear::{DenseFactory, LayerFactory};
@@ -47,9 +47,12 @@ pub struct Gpt {
     cfg: GptConfig,
     opts: GptOptions,
     wte: Var,
-    wpe: Var,
+    /// Learned positions (none with rotary ones).
+    wpe: Option<Var>,
     blocks: Vec<Block>,
     ln_f: Norm,
+    /// The LM head when it is not the token embedding (`[vocab, d]`, vocab-parallel rows).
+    lm_head: Option<Var>,
     /// The tensor-parallel group when the model is split (vocab-parallel `wte`, column- and
     /// row-parallel linear layers).
     tp: Option<TpComm>,
@@ -99,6 +102,7 @@ impl Gpt {
     /// model equals the `tp = 1` one at any degree.
     pub fn tensor_parallel(cfg: &GptConfig, opts: &GptOptions, tp: TpComm) -> Result<Self> {
         let factory = TensorParallelFactory::new(tp.clone(), cfg.n_heads)
+            .with_kv_heads(cfg.kv_heads())
             .with_sequence_parallel(opts.sequence_parallel);
         Self::tensor_parallel_with_factory(cfg, opts, tp, &factory)
     }
@@ -144,14 +148,23 @@ impl Gpt {
         let emb = Init::Normal {
             std: cfg.embedding_std,
         };
-        let wte = match tp {
-            None => init.var("wte", &[cfg.vocab_size, d], emb)?,
-            Some(c) => {
-                let full = init.tensor("wte", &[cfg.vocab_size, d], emb)?;
-                Var::from_tensor(&tpops::shard_vocab(&full, c.world_size(), c.rank())?)?
+        // the token embedding, and an untied head: vocab-parallel rows under tensor
+        // parallelism, each drawn whole from its stream
+        let vocab_rows = |name: &str| -> Result<Var> {
+            match tp {
+                None => init.var(name, &[cfg.vocab_size, d], emb),
+                Some(c) => {
+                    let full = init.tensor(name, &[cfg.vocab_size, d], emb)?;
+                    let local = tpops::shard_vocab(&full, c.world_size(), c.rank())?;
+                    Ok(Var::from_tensor(&local)?)
+                }
             }
         };
-        let wpe = init.var("wpe", &[cfg.n_ctx, d], emb)?;
+        let wte = vocab_rows("wte")?;
+        let wpe = match cfg.positions {
+            PositionKind::Learned => Some(init.var("wpe", &[cfg.n_ctx, d], emb)?),
+            PositionKind::Rotary => None,
+        };
         let split_rows = tp.filter(|c| opts.sequence_parallel && c.world_size() > 1);
         if let Some(c) = split_rows {
             if cfg.n_ctx % c.world_size() != 0 {
@@ -164,11 +177,16 @@ impl Gpt {
                 });
             }
         }
+        let rotary = (cfg.positions == PositionKind::Rotary)
+            .then(|| std::sync::Arc::new(RotaryTables::new(cfg)));
         let blocks = (0..cfg.n_layers)
-            .map(|i| Block::new(cfg, i, &init, factory, split_rows))
+            .map(|i| Block::new(cfg, i, &init, factory, split_rows, rotary.as_ref()))
             .collect::<Result<Vec<_>>>()?;
-        let mut ln_f = Norm::new(&init, "ln_f", d, cfg.layer_norm_eps)?;
+        let mut ln_f = Norm::new(&init, "ln_f", cfg)?;
         ln_f.split_rows = split_rows.cloned();
+        let lm_head = (!cfg.tied_embeddings)
+            .then(|| vocab_rows("lm_head"))
+            .transpose()?;
         Ok(Self {
             cfg: cfg.clone(),
             opts: opts.clone(),
@@ -176,6 +194,7 @@ impl Gpt {
             wpe,
             blocks,
             ln_f,
+            lm_head,
             tp: None,
             frozen: HashMap::new(),
         })
@@ -352,6 +371,9 @@ impl Gpt {
             // `wpe`'s is whole and the same on every rank)
             self.check_split("embed", t, c)?;
             let tok = tpops::vocab_parallel_embedding_sp(tokens, &wte, c)?;
+            if self.wpe.is_none() {
+                return Ok(tok.to_dtype(self.activation_dtype())?);
+            }
             let pos = p
                 .param("wpe")?
                 .narrow(0, 0, t)?
@@ -365,6 +387,9 @@ impl Gpt {
             Some(c) => tpops::vocab_parallel_embedding(&ids, &wte, c)?,
         }
         .reshape((b, t, d))?;
+        if self.wpe.is_none() {
+            return Ok(tok.to_dtype(self.activation_dtype())?);
+        }
         let pos = p.param("wpe")?.narrow(0, 0, t)?;
         Ok(tok.broadcast_add(&pos)?.to_dtype(self.activation_dtype())?)
     }
@@ -436,14 +461,22 @@ impl Gpt {
         })?)
     }
 
-    /// What the LM head multiplies: `ln_f(x)` as rows `[b * t, d]`, and `wte` (this rank's
-    /// rows) in their dtype.
+    /// What the LM head multiplies: `ln_f(x)` as rows `[b * t, d]`, and `wte` or the untied
+    /// `lm_head` (this rank's rows) in their dtype.
     fn head_operands(&self, x: &Tensor, p: &dyn ParamSource) -> Result<(Tensor, Tensor)> {
         let p = &self.source(p);
         // as rows straight from the norm: a reshape would be a graph node of its own
         let h = self.ln_f.forward_rows_with(x, p)?;
-        let w = p.param("wte")?.to_dtype(h.dtype())?;
+        let w = p.param(self.head_name())?.to_dtype(h.dtype())?;
         Ok((h, w))
+    }
+
+    /// The name of the LM head's matrix: `wte` when tied, `lm_head` otherwise.
+    pub fn head_name(&self) -> &'static str {
+        match self.lm_head {
+            Some(_) => "lm_head",
+            None => "wte",
+        }
     }
 
     /// `Head`: hidden states `[b, t, d]` and targets `[b, t]` (u32) to the mean cross-entropy

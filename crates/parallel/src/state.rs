@@ -11,7 +11,8 @@
 //!   parameter as a [`Shard::Dim`] slice: rows for [`TpSplit::Rows`], the last dimension for
 //!   [`TpSplit::Cols`]. The fused QKV ([`TpSplit::Qkv`], rank `r` holding `[q_r | k_r | v_r]`)
 //!   is stored with the shape `[3, d, ...]` (the same bytes as `[3d, ...]`), where each rank's
-//!   part is the dim-1 slice `r * d / tp ..`. Replicated parameters are saved whole by
+//!   part is the dim-1 slice `r * d / tp ..`; a SwiGLU's fused gate and up
+//!   ([`TpSplit::GateUp`]) likewise as `[2, f, ...]`. Replicated parameters are saved whole by
 //!   tensor-parallel rank 0. The gather costs one extra copy of the unit buffers.
 //!
 //! Loading asks the checkpoint for exactly the slices this rank needs
@@ -110,12 +111,15 @@ pub fn checkpoint_geometry(
             g[last] *= tp;
             (g, last, local[last])
         }
-        TpSplit::Qkv => {
-            if local[0] % 3 != 0 {
-                return Err(bad("the fused QKV dimension is not a multiple of 3"));
+        TpSplit::Qkv | TpSplit::GateUp => {
+            let k = split.parts();
+            if local[0] % k != 0 {
+                return Err(bad(&format!(
+                    "the fused dimension is not a multiple of {k}"
+                )));
             }
-            let m = local[0] / 3;
-            let mut g = vec![3, m * tp];
+            let m = local[0] / k;
+            let mut g = vec![k, m * tp];
             g.extend_from_slice(&local[1..]);
             (g, 1, m)
         }

@@ -29,12 +29,29 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 pub struct RmsNorm {
     /// Added to the mean of squares before the square root.
     pub eps: f64,
+    /// Whether the output is rows `[n, d]` rather than the shape of `x`.
+    pub rows: bool,
 }
 
 impl RmsNorm {
-    /// The op with this epsilon (Llama: 1e-5 or 1e-6, `rms_norm_eps` in its config).
+    /// The op with this epsilon (Llama: 1e-5 or 1e-6, `rms_norm_eps` in its config), its
+    /// output shaped as `x`.
     pub fn new(eps: f64) -> Self {
-        Self { eps }
+        Self { eps, rows: false }
+    }
+
+    /// The op with its output as rows `[n, d]`: what a product over rows takes, without a
+    /// reshape after it (a graph node of its own).
+    pub fn as_rows(eps: f64) -> Self {
+        Self { eps, rows: true }
+    }
+
+    /// The output's shape for an input of shape `x`.
+    fn out_shape(&self, x: &Shape) -> Shape {
+        match (self.rows, x.dims().last()) {
+            (true, Some(&d)) if d > 0 => Shape::from((x.elem_count() / d, d)),
+            _ => x.clone(),
+        }
     }
 }
 
@@ -118,7 +135,8 @@ impl CustomOp2 for RmsNorm {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        crate::cuda::llama::rms_norm_fwd((s1, l1), (s2, l2), self.eps)
+        let (y, shape) = crate::cuda::llama::rms_norm_fwd((s1, l1), (s2, l2), self.eps)?;
+        Ok((y, self.out_shape(&shape)))
     }
 
     fn cpu_fwd(
@@ -134,7 +152,7 @@ impl CustomOp2 for RmsNorm {
             let w = contiguous(same_type(x, s2, op)?, l2, op)?;
             check(op, x.len(), w.len(), None)?;
             let y = rms_fwd(x, w, self.eps)?;
-            Ok((Elem::into_storage(y), l1.shape().clone()))
+            Ok((Elem::into_storage(y), self.out_shape(l1.shape())))
         })
     }
 

@@ -92,7 +92,7 @@ impl Gpt {
         self.named_parameters()
             .into_iter()
             .map(|(n, _)| {
-                let split = if n == "wte" {
+                let split = if n == "wte" || n == "lm_head" {
                     TpSplit::Rows
                 } else {
                     linear
@@ -120,6 +120,7 @@ impl Gpt {
             .map(|(n, _)| {
                 let kind = match n.as_str() {
                     "wte" | "wpe" => ParamKind::Embedding,
+                    "lm_head" => ParamKind::Weight,
                     other => linear.get(other).copied().unwrap_or(ParamKind::Norm),
                 };
                 (n, kind)
@@ -174,9 +175,11 @@ impl Gpt {
                 .get(&name)
                 .ok_or_else(|| bad("not a parameter of this model".into()))?;
             let numel: usize = shape.iter().product();
-            let qkv_3d =
-                split == TpSplit::Qkv && t.shape().first() == Some(&3) && t.numel() == numel;
-            if t.shape() != shape.as_slice() && !qkv_3d {
+            // a checkpoint's fused QKV `[3, d, in]` or gate and up `[2, f, in]`
+            let fused = split.parts() > 1
+                && t.shape().first() == Some(&split.parts())
+                && t.numel() == numel;
+            if t.shape() != shape.as_slice() && !fused {
                 return Err(bad(format!("shape {:?}, expected {shape:?}", t.shape())));
             }
             let values: Vec<f32> = t
@@ -199,9 +202,11 @@ impl Gpt {
         Ok(())
     }
 
-    /// Every trainable parameter with its name, in a fixed order: `wte`, `wpe`, the blocks
-    /// in order (`ln_1`, `attn.c_attn`, `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`;
-    /// weight before bias), `ln_f`. The concatenation of the segments' own parameters.
+    /// Every trainable parameter with its name, in a fixed order: `wte`, `wpe` (learned
+    /// positions), the blocks in order (`ln_1`, `attn.c_attn` or `attn.q_proj`,
+    /// `attn.k_proj`, `attn.v_proj`, `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`; weight
+    /// before bias), `ln_f`, `lm_head` (untied). The concatenation of the segments' own
+    /// parameters.
     pub fn named_parameters(&self) -> Vec<(String, Var)> {
         let mut out = Vec::new();
         for seg in self.segments() {
@@ -226,23 +231,32 @@ impl Gpt {
         match seg {
             Segment::Embed => {
                 out.push(("wte".to_string(), self.wte.clone()));
-                out.push(("wpe".to_string(), self.wpe.clone()));
+                if let Some(wpe) = &self.wpe {
+                    out.push(("wpe".to_string(), wpe.clone()));
+                }
             }
             Segment::Block(i) => {
                 if let Some(b) = self.blocks.get(i) {
                     b.parameters(&mut out);
                 }
             }
-            Segment::Head => self.ln_f.parameters(&mut out),
+            Segment::Head => {
+                self.ln_f.parameters(&mut out);
+                if let Some(w) = &self.lm_head {
+                    out.push(("lm_head".to_string(), w.clone()));
+                }
+            }
         }
         out
     }
 
-    /// Parameters a segment reads but another segment owns: `[wte]` for `Head` (the tied LM
-    /// head), nothing otherwise.
+    /// Parameters a segment reads but another segment owns: `[wte]` for `Head` when the LM
+    /// head is tied, nothing otherwise.
     pub fn tied_parameters(&self, seg: Segment) -> Vec<(String, Var)> {
         match seg {
-            Segment::Head => vec![("wte".to_string(), self.wte.clone())],
+            Segment::Head if self.lm_head.is_none() => {
+                vec![("wte".to_string(), self.wte.clone())]
+            }
             _ => Vec::new(),
         }
     }

@@ -26,7 +26,7 @@ pub use gelu::{bias_gelu, gelu};
 pub use layer_norm::{layer_norm, layer_norm_rows};
 pub use repeat_kv::repeat_kv;
 pub use residual::residual_add;
-pub use rms_norm::rms_norm;
+pub use rms_norm::{rms_norm, rms_norm_rows};
 pub use rotary::{rotary, rotary_inv_freq, rotary_table, Llama3Scaling, RotaryLayout};
 pub use softmax::{causal_softmax, causal_softmax_scaled};
 pub use swiglu::swiglu;

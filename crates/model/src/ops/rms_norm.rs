@@ -24,6 +24,17 @@ use kiln_kernels::ops::RmsNorm;
 /// # Ok(()) }
 /// ```
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    rms_norm_shaped(x, weight, eps, false)
+}
+
+/// [`rms_norm`] with its output as rows `[n, d]` (every leading dimension of `x` in `n`), as
+/// [`layer_norm_rows`](super::layer_norm_rows) does for LayerNorm. The gradient of `x` keeps
+/// `x`'s shape.
+pub fn rms_norm_rows(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    rms_norm_shaped(x, weight, eps, true)
+}
+
+fn rms_norm_shaped(x: &Tensor, weight: &Tensor, eps: f64, rows: bool) -> Result<Tensor> {
     const OP: &str = "rms_norm";
     let d = match x.dims().last() {
         Some(&d) if d > 0 => d,
@@ -70,6 +81,6 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let (x, weight) = (x.contiguous()?, weight.contiguous()?);
     // cheap to run again against the activation it keeps: a selective checkpoint drops it
     Ok(kiln_memory::tape::recomputable(|| {
-        kiln_memory::tape::apply_op2(&x, &weight, RmsNorm::new(eps))
+        kiln_memory::tape::apply_op2(&x, &weight, RmsNorm { eps, rows })
     })?)
 }

@@ -12,7 +12,8 @@ pub use kiln_kernels::ops::RotaryLayout;
 /// `original_max_position_embeddings / low_freq_factor` are divided by `factor`, those shorter
 /// than `original_max_position_embeddings / high_freq_factor` are kept, and those between are
 /// interpolated.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Llama3Scaling {
     /// How much longer the context is (8 for Llama 3.1).
     pub factor: f64,

@@ -24,6 +24,10 @@ pub enum TpSplit {
     /// When `tp` divides the number of heads, `q_r`, `k_r`, `v_r` are whole heads
     /// `r * h / tp .. (r + 1) * h / tp`, so attention runs locally on `h / tp` heads.
     Qkv,
+    /// The fused gate and up projection of a SwiGLU MLP, weight `[2f, in]` laid out
+    /// `[gate | up]`: each half is split along dim 0 and rank `r` holds `[gate_r | up_r]`, so
+    /// the activation runs locally on `f / tp` units.
+    GateUp,
 }
 
 fn check_group(tp: usize, rank: usize) -> Result<()> {
@@ -55,17 +59,24 @@ impl TpSplit {
     fn dim(self, ndims: usize) -> Option<usize> {
         match self {
             TpSplit::Replicated => None,
-            TpSplit::Rows | TpSplit::Qkv => Some(0),
+            TpSplit::Rows | TpSplit::Qkv | TpSplit::GateUp => Some(0),
             TpSplit::Cols => Some(ndims.saturating_sub(1)),
+        }
+    }
+
+    /// The number of fused parts each rank holds a slice of: 3 for [`TpSplit::Qkv`], 2 for
+    /// [`TpSplit::GateUp`], 1 otherwise.
+    pub fn parts(self) -> usize {
+        match self {
+            TpSplit::Qkv => 3,
+            TpSplit::GateUp => 2,
+            _ => 1,
         }
     }
 
     /// The number of equal blocks dim [`TpSplit::dim`] must divide into.
     fn blocks(self, tp: usize) -> usize {
-        match self {
-            TpSplit::Qkv => 3 * tp,
-            _ => tp,
-        }
+        self.parts() * tp
     }
 
     /// The dimensions of one rank's shard of a tensor with dimensions `full`.
@@ -110,8 +121,8 @@ impl TpSplit {
         };
         let n = full.dim(d)? / self.blocks(tp);
         match self {
-            TpSplit::Qkv => {
-                let parts = (0..3)
+            TpSplit::Qkv | TpSplit::GateUp => {
+                let parts = (0..self.parts())
                     .map(|i| full.narrow(0, (i * tp + rank) * n, n))
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 Ok(Tensor::cat(&parts, 0)?.detach())
@@ -141,18 +152,18 @@ impl TpSplit {
         let tp = shards.len();
         match (self, self.dim(first.rank())) {
             (_, None) => owned(first),
-            (TpSplit::Qkv, Some(_)) => {
-                let n0 = first.dim(0)?;
-                if n0 % 3 != 0 {
+            (TpSplit::Qkv | TpSplit::GateUp, Some(_)) => {
+                let (n0, k) = (first.dim(0)?, self.parts());
+                if n0 % k != 0 {
                     return Err(bad_shape(
-                        "Qkv unshard shard",
-                        "a dim 0 that is a multiple of 3".into(),
+                        &format!("{self:?} unshard shard"),
+                        format!("a dim 0 that is a multiple of {k}"),
                         first,
                     ));
                 }
-                let n = n0 / 3;
-                let mut parts = Vec::with_capacity(3 * tp);
-                for i in 0..3 {
+                let n = n0 / k;
+                let mut parts = Vec::with_capacity(k * tp);
+                for i in 0..k {
                     for s in shards {
                         parts.push(s.narrow(0, i * n, n)?);
                     }
