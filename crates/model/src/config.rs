@@ -414,29 +414,7 @@ impl GptConfig {
                     ),
                 });
             }
-            if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
-                return Err(ModelError::InvalidValue {
-                    field: "rope_theta",
-                    value: self.rope_theta,
-                    expected: "finite and > 1",
-                });
-            }
-            if let Some(s) = self.rope_scaling {
-                let ok = s.factor.is_finite()
-                    && s.factor >= 1.0
-                    && s.low_freq_factor > 0.0
-                    && s.high_freq_factor > s.low_freq_factor
-                    && s.original_max_position_embeddings > 0;
-                if !ok {
-                    return Err(ModelError::Config {
-                        field: "rope_scaling",
-                        reason: format!(
-                            "{s:?}: expected factor >= 1, 0 < low_freq_factor < \
-                             high_freq_factor and original_max_position_embeddings > 0"
-                        ),
-                    });
-                }
-            }
+            crate::ops::rotary::check_rope(self.rope_theta, self.rope_scaling)?;
         } else if self.rope_scaling.is_some() {
             return Err(ModelError::Config {
                 field: "rope_scaling",

@@ -51,7 +51,7 @@ mod params;
 pub mod reference;
 mod tp;
 
-pub use config::{GptConfig, PRESET_NAMES};
+pub use config::{GptConfig, MlpKind, NormKind, PositionKind, PRESET_NAMES};
 pub use device::DeviceSpec;
 pub use error::{ModelError, Result};
 pub use generate::{generate, Sampling};

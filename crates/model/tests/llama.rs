@@ -112,6 +112,19 @@ fn reference_logits(cfg: &GptConfig, p: &HashMap<String, Tensor>, tokens: &Tenso
     lin(&rms(&x, &p["ln_f.weight"]), &p["lm_head"])
 }
 
+/// The largest `|a - b|`, and the largest `|b|`.
+fn max_diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
+    let m = |t: Tensor| {
+        t.abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    };
+    (m((a - b).unwrap()), m(b.clone()))
+}
+
 fn f64_opts() -> GptOptions {
     let mut o = GptOptions::seeded(3);
     o.param_dtype = DType::F64;
@@ -133,21 +146,7 @@ fn check_against_reference(cfg: &GptConfig) {
     let tokens = Tensor::from_vec(ids, (2, 37), &Device::Cpu).unwrap();
     let got = model.forward(&tokens).unwrap();
     let want = reference_logits(cfg, &params, &tokens);
-    let diff = (got - &want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    let scale = want
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
+    let (diff, scale) = max_diff(&got, &want);
     assert!(
         diff <= 1e-12 * scale.max(1.0),
         "{diff} (logits up to {scale})"
@@ -173,21 +172,7 @@ fn check_against_reference(cfg: &GptConfig) {
     for (name, v) in model.named_parameters() {
         let a = g.get(v.as_tensor()).unwrap();
         let b = rg.get(v.as_tensor()).unwrap();
-        let diff = (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
-        let scale = b
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
+        let (diff, scale) = max_diff(a, b);
         assert!(
             diff <= 1e-10 * scale,
             "{name}: {diff} (gradient up to {scale})"

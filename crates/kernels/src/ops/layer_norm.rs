@@ -48,10 +48,16 @@ impl LayerNorm {
 
     /// The output's shape for an input of shape `x`.
     fn out_shape(&self, x: &Shape) -> Shape {
-        match (self.rows, x.dims().last()) {
-            (true, Some(&d)) if d > 0 => Shape::from((x.elem_count() / d, d)),
-            _ => x.clone(),
-        }
+        out_shape(self.rows, x)
+    }
+}
+
+/// A row-wise norm's output shape for an input of shape `x`: rows `[n, d]` (every leading
+/// dimension in `n`) when `rows`, otherwise `x`'s.
+pub(crate) fn out_shape(rows: bool, x: &Shape) -> Shape {
+    match (rows, x.dims().last()) {
+        (true, Some(&d)) if d > 0 => Shape::from((x.elem_count() / d, d)),
+        _ => x.clone(),
     }
 }
 

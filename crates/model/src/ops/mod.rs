@@ -16,7 +16,7 @@ mod layer_norm;
 mod repeat_kv;
 mod residual;
 mod rms_norm;
-mod rotary;
+pub(crate) mod rotary;
 mod softmax;
 mod swiglu;
 

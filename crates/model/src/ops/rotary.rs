@@ -121,6 +121,20 @@ pub fn rotary_table(
     device: &Device,
 ) -> Result<Tensor> {
     check_head_dim(head_dim)?;
+    check_rope(theta, scaling)?;
+    let inv = rotary_inv_freq(head_dim, theta, scaling);
+    let half = head_dim / 2;
+    let mut v = Vec::with_capacity(seq * head_dim);
+    for p in 0..seq {
+        v.extend(inv.iter().map(|f| (p as f64 * f).cos()));
+        v.extend(inv.iter().map(|f| (p as f64 * f).sin()));
+    }
+    debug_assert_eq!(v.len(), seq * 2 * half);
+    Ok(Tensor::from_vec(v, (seq, head_dim), device)?.to_dtype(dtype)?)
+}
+
+/// `theta` finite and above 1, and `scaling`'s factors in order: an error naming the field.
+pub(crate) fn check_rope(theta: f64, scaling: Option<Llama3Scaling>) -> Result<()> {
     if !(theta.is_finite() && theta > 1.0) {
         return Err(ModelError::InvalidValue {
             field: "rope_theta",
@@ -135,23 +149,16 @@ pub fn rotary_table(
             && s.high_freq_factor > s.low_freq_factor
             && s.original_max_position_embeddings > 0;
         if !ok {
-            return Err(ModelError::InvalidValue {
+            return Err(ModelError::Config {
                 field: "rope_scaling",
-                value: s.factor,
-                expected: "factor >= 1, 0 < low_freq_factor < high_freq_factor, \
-                           original_max_position_embeddings > 0",
+                reason: format!(
+                    "{s:?}: expected factor >= 1, 0 < low_freq_factor < high_freq_factor and \
+                     original_max_position_embeddings > 0"
+                ),
             });
         }
     }
-    let inv = rotary_inv_freq(head_dim, theta, scaling);
-    let half = head_dim / 2;
-    let mut v = Vec::with_capacity(seq * head_dim);
-    for p in 0..seq {
-        v.extend(inv.iter().map(|f| (p as f64 * f).cos()));
-        v.extend(inv.iter().map(|f| (p as f64 * f).sin()));
-    }
-    debug_assert_eq!(v.len(), seq * 2 * half);
-    Ok(Tensor::from_vec(v, (seq, head_dim), device)?.to_dtype(dtype)?)
+    Ok(())
 }
 
 fn check_head_dim(head_dim: usize) -> Result<()> {
