@@ -6,49 +6,14 @@
 
 mod common;
 
-use common::equivalence::{flat, tokens};
+use common::equivalence::{bound_used, dense_run, flat, loss_and_grads, tokens};
 
-use candle_core::Tensor;
 use kiln_comm::ThreadComm;
 use kiln_model::{Gpt, GptConfig, GptOptions};
 use kiln_parallel::tp::TpSplit;
 use kiln_testkit::{assert_close, run_ranks};
 use std::collections::HashMap;
 use std::sync::Arc;
-
-/// The unsplit model on `x`: its logits, loss and every parameter's gradient.
-fn dense_run(
-    cfg: &GptConfig,
-    opts: &GptOptions,
-    x: &Tensor,
-    y: &Tensor,
-) -> (Gpt, Vec<f32>, f32, Vec<(String, Tensor)>) {
-    let dense = Gpt::new(cfg, opts).unwrap();
-    let logits = flat(&dense.forward(x).unwrap());
-    let loss = dense.loss(x, y).unwrap();
-    let grads = loss.backward().unwrap();
-    let named = dense
-        .named_parameters()
-        .into_iter()
-        .map(|(n, v)| (n, grads.get(v.as_tensor()).unwrap().clone()))
-        .collect();
-    (dense, logits, loss.to_scalar::<f32>().unwrap(), named)
-}
-
-/// Each parameter's name and gradient, flat.
-type NamedGrads = Vec<(String, Vec<f32>)>;
-
-/// This rank's loss and the gradient of each parameter it holds.
-fn loss_and_grads(model: &Gpt, x: &Tensor, y: &Tensor) -> kiln_model::Result<(f32, NamedGrads)> {
-    let loss = model.loss(x, y)?;
-    let g = loss.backward()?;
-    let grads = model
-        .named_parameters()
-        .into_iter()
-        .map(|(n, v)| (n, flat(g.get(v.as_tensor()).unwrap())))
-        .collect();
-    Ok((loss.to_scalar::<f32>()?, grads))
-}
 
 #[test]
 fn tensor_parallel_equals_tp1_on_small_cpu() {
@@ -86,16 +51,6 @@ fn tensor_parallel_equals_tp1_on_small_cpu() {
             }
         }
     }
-}
-
-/// How much of `assert_close`'s bound `1e-5 + 1e-5 |b|` the worst element of `a` against `b`
-/// uses (at most 1 when the assertion holds).
-fn bound_used(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(&x, &y)| f64::from((x - y).abs()) / (1e-5 + 1e-5 * f64::from(y.abs())))
-        .fold(0.0, f64::max)
 }
 
 /// The training equivalences (tp against tp = 1, ZeRO against plain data parallel, dp x tp

@@ -254,10 +254,18 @@ fn shard_of(
         .map(|(n, v)| (n, v.dims().to_vec()))
         .collect();
     let splits: HashMap<_, _> = model.param_splits().into_iter().collect();
+    // key/value projections over a degree above their heads are whole on every rank
+    let kv_whole = kiln_model::kv_replicated(cfg.n_heads, cfg.kv_heads(), tp)?;
     let mut out = Vec::with_capacity(dense.len());
     for (name, values) in dense {
         let t = Tensor::from_vec(values.clone(), dims[name].as_slice(), &Device::Cpu)?;
-        out.push((name.clone(), flat(&splits[name].shard(&t, tp, tp_rank)?)));
+        let kv = name.contains(".attn.k_proj.") || name.contains(".attn.v_proj.");
+        let split = if kv && kv_whole {
+            kiln_parallel::tp::TpSplit::Replicated
+        } else {
+            splits[name]
+        };
+        out.push((name.clone(), flat(&split.shard(&t, tp, tp_rank)?)));
     }
     Ok(out)
 }
@@ -357,9 +365,21 @@ fn on_first(
 /// The whole suite on this rank of `world` (at least 4 ranks); returns what it checked.
 pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
     anyhow::ensure!(world.world_size() >= 4, "the suite needs a world of 4");
+    let mut done = tensor_parallel_training(&world, "small_cpu", &GptConfig::small_cpu())?;
+    let tiny = GptConfig::tiny();
+    done.extend(zero_equals_plain(&world, &tiny)?);
+    done.extend(grid_and_recompute(&world, &tiny)?);
+    Ok(done)
+}
+
+/// Tensor parallelism at tp = 2 and 4, with and without sequence parallelism, against tp =
+/// 1 after 5 steps of `cfg` (`key` names it in the cache of single-rank runs).
+pub fn tensor_parallel_training(
+    world: &Arc<dyn Communicator>,
+    key: &str,
+    small: &GptConfig,
+) -> anyhow::Result<Vec<String>> {
     let mut done = Vec::new();
-    // tensor parallel against tp = 1
-    let small = GptConfig::small_cpu();
     // AdamW divides by sqrt(v): a gradient that is exactly zero in exact arithmetic (the key
     // bias: softmax ignores a per-row constant) is pure rounding noise, which a tiny eps turns
     // into a full +-lr step whose sign depends on the reduction order; a larger eps keeps the
@@ -372,14 +392,14 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         }),
         ..Default::default()
     };
-    let (ref_params, ref_losses) = reference("tp", &small, tp_cfg, false, 5)?;
+    let (ref_params, ref_losses) = reference(&format!("tp {key}"), small, tp_cfg, false, 5)?;
     for (tp, sp) in [(2usize, false), (4, false), (2, true), (4, true)] {
         let what = if sp { " sequence-parallel" } else { "" };
-        if let Some(msg) = on_first(&*world, tp, |sub| {
+        if let Some(msg) = on_first(&**world, tp, |sub| {
             let tp_rank = sub.rank();
-            let (params, losses) = train_rank(sub, &small, 1, tp, tp_cfg, false, sp, 5)?;
-            let want = shard_of(&small, &ref_params, tp, tp_rank)?;
-            let case = format!("tp={tp}{what} rank {tp_rank}");
+            let (params, losses) = train_rank(sub, small, 1, tp, tp_cfg, false, sp, 5)?;
+            let want = shard_of(small, &ref_params, tp, tp_rank)?;
+            let case = format!("{key} tp={tp}{what} rank {tp_rank}");
             let mut worst = 0.0f32;
             for ((n, got), (wn, w)) in zip_eq(&case, &params, &want)? {
                 anyhow::ensure!(n == wn, "{case}: parameter order {n} vs {wn}");
@@ -392,25 +412,32 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
             }
             losses_within(&case, &losses, &ref_losses, 1e-5)?;
             Ok(format!(
-                "tp={tp}{what} equals tp=1 after 5 steps (worst parameter {worst:.1e} of its \
-                 largest magnitude)"
+                "{key} tp={tp}{what} equals tp=1 after 5 steps (worst parameter {worst:.1e} of \
+                 its largest magnitude)"
             ))
         })? {
             done.push(msg);
         }
     }
-    // ZeRO against plain data parallel, bitwise
-    let tiny = GptConfig::tiny();
+    Ok(done)
+}
+
+/// ZeRO-1, 2 and 3 at dp = 2 against plain data parallelism on `tiny`, bitwise.
+pub fn zero_equals_plain(
+    world: &Arc<dyn Communicator>,
+    tiny: &GptConfig,
+) -> anyhow::Result<Vec<String>> {
+    let mut done = Vec::new();
     let base = DataParallelConfig {
         bucket_bytes: 64 << 10,
         ..Default::default()
     };
-    if let Some(msg) = on_first(&*world, 2, |sub| {
-        let (plain, lp) = train_rank(sub.clone(), &tiny, 2, 1, base, false, false, 3)?;
+    if let Some(msg) = on_first(&**world, 2, |sub| {
+        let (plain, lp) = train_rank(sub.clone(), tiny, 2, 1, base, false, false, 3)?;
         for stage in [ZeroStage::Zero1, ZeroStage::Zero2, ZeroStage::Zero3] {
             let (z, lz) = train_rank(
                 sub.clone(),
-                &tiny,
+                tiny,
                 2,
                 1,
                 DataParallelConfig { stage, ..base },
@@ -429,6 +456,15 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
     })? {
         done.push(msg);
     }
+    Ok(done)
+}
+
+/// dp x tp with ZeRO-1 and fp16 against one rank, and recomputation against none, on `tiny`.
+fn grid_and_recompute(
+    world: &Arc<dyn Communicator>,
+    tiny: &GptConfig,
+) -> anyhow::Result<Vec<String>> {
+    let mut done = Vec::new();
     // dp x tp with ZeRO-1 and fp16 against one rank
     let dpc = DataParallelConfig {
         stage: ZeroStage::Zero1,
@@ -436,15 +472,15 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         ..Default::default()
     };
     let steps = 30;
-    let (_, single) = reference("fp16", &tiny, dpc, true, steps)?;
+    let (_, single) = reference("fp16", tiny, dpc, true, steps)?;
     anyhow::ensure!(
         single[steps - 1] < single[0] * 0.8,
         "the single-rank run did not train: {single:?}"
     );
     for sp in [false, true] {
         let what = if sp { " sequence-parallel" } else { "" };
-        if let Some(msg) = on_first(&*world, 4, |sub| {
-            let (_, grid) = train_rank(sub, &tiny, 2, 2, dpc, true, sp, steps)?;
+        if let Some(msg) = on_first(&**world, 4, |sub| {
+            let (_, grid) = train_rank(sub, tiny, 2, 2, dpc, true, sp, steps)?;
             anyhow::ensure!(
                 grid.len() == steps && single.len() == steps,
                 "dp2 x tp2{what} fp16: {} and {} losses for {steps} steps",
@@ -465,11 +501,11 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
     }
     // selective and full recomputation against none at the main job's layout, bitwise: the
     // sequence-parallel all-gathers a selective block dropped run again in the backward
-    if let Some(msg) = on_first(&*world, 4, |sub| {
+    if let Some(msg) = on_first(&**world, 4, |sub| {
         let with = |recompute| DataParallelConfig { recompute, ..dpc };
-        let (plain, lp) = train_rank(sub.clone(), &tiny, 2, 2, with(Policy::None), true, true, 3)?;
+        let (plain, lp) = train_rank(sub.clone(), tiny, 2, 2, with(Policy::None), true, true, 3)?;
         for policy in [Policy::Selective(1), Policy::EveryBlock] {
-            let (p, l) = train_rank(sub.clone(), &tiny, 2, 2, with(policy), true, true, 3)?;
+            let (p, l) = train_rank(sub.clone(), tiny, 2, 2, with(policy), true, true, 3)?;
             anyhow::ensure!(
                 l == lp,
                 "{policy}: losses {l:?} vs {lp:?} without checkpointing"
@@ -497,7 +533,7 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         }
         g.clone().unwrap()
     };
-    if let Some(msg) = on_first(&*world, 4, |sub| {
+    if let Some(msg) = on_first(&**world, 4, |sub| {
         let tp_rank = sub.rank() % 2;
         let (params, losses) = train_lora_dpo_rank(sub, 2, 2, 4)?;
         let (ref_params, ref_losses) = &lora_ref;
@@ -561,7 +597,7 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         }
         g.clone()
     };
-    if let Some(msg) = on_first(&*world, 4, |sub| {
+    if let Some(msg) = on_first(&**world, 4, |sub| {
         let tp_rank = sub.rank() % 2;
         // weights only: the arithmetic of tp = 1 up to the reduction order
         let ((params, losses), _) = train_qat_rank(sub.clone(), 2, 2, false)?;
@@ -597,4 +633,52 @@ pub fn suite_on(world: Arc<dyn Communicator>) -> anyhow::Result<Vec<String>> {
         done.push(msg);
     }
     Ok(done)
+}
+
+/// The unsplit model on `x`: its logits, loss and every parameter's gradient.
+pub fn dense_run(
+    cfg: &GptConfig,
+    opts: &GptOptions,
+    x: &Tensor,
+    y: &Tensor,
+) -> (Gpt, Vec<f32>, f32, Vec<(String, Tensor)>) {
+    let dense = Gpt::new(cfg, opts).unwrap();
+    let logits = flat(&dense.forward(x).unwrap());
+    let loss = dense.loss(x, y).unwrap();
+    let grads = loss.backward().unwrap();
+    let named = dense
+        .named_parameters()
+        .into_iter()
+        .map(|(n, v)| (n, grads.get(v.as_tensor()).unwrap().clone()))
+        .collect();
+    (dense, logits, loss.to_scalar::<f32>().unwrap(), named)
+}
+
+/// Each parameter's name and gradient, flat.
+pub type NamedGrads = Vec<(String, Vec<f32>)>;
+
+/// This rank's loss and the gradient of each parameter it holds.
+pub fn loss_and_grads(
+    model: &Gpt,
+    x: &Tensor,
+    y: &Tensor,
+) -> kiln_model::Result<(f32, NamedGrads)> {
+    let loss = model.loss(x, y)?;
+    let g = loss.backward()?;
+    let grads = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, v)| (n, flat(g.get(v.as_tensor()).unwrap())))
+        .collect();
+    Ok((loss.to_scalar::<f32>()?, grads))
+}
+
+/// How much of `assert_close`'s bound `1e-5 + 1e-5 |b|` the worst element of `a` against `b`
+/// uses (at most 1 when the assertion holds).
+pub fn bound_used(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| f64::from((x - y).abs()) / (1e-5 + 1e-5 * f64::from(y.abs())))
+        .fold(0.0, f64::max)
 }

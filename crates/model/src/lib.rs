@@ -62,4 +62,4 @@ pub use linear::{
 };
 pub use model::{Gpt, GptOptions, Segment};
 pub use params::ParamSource;
-pub use tp::{TensorParallelFactory, TpLinear};
+pub use tp::{kv_replicated, TensorParallelFactory, TpLinear};

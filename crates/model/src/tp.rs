@@ -63,34 +63,10 @@ impl TensorParallelFactory {
         self
     }
 
-    /// Whether the degree exceeds the key/value heads, so their projections are replicated;
-    /// an error where the degree neither divides the heads nor is a multiple of them (or
-    /// does not divide the query heads).
+    /// Whether the degree exceeds the key/value heads, so their projections are replicated
+    /// ([`kv_replicated`]).
     pub fn replicates_kv(&self) -> Result<bool> {
-        let (tp, q, kv) = (self.comm.world_size(), self.n_heads, self.kv_heads);
-        if q % tp != 0 {
-            return Err(ModelError::Config {
-                field: "tensor_parallel_degree",
-                reason: format!(
-                    "the tensor-parallel degree ({tp}) must divide n_heads ({q}): each rank \
-                     runs whole query heads"
-                ),
-            });
-        }
-        if kv > 0 && kv % tp == 0 {
-            return Ok(false);
-        }
-        if kv > 0 && tp % kv == 0 {
-            return Ok(true);
-        }
-        Err(ModelError::Config {
-            field: "tensor_parallel_degree",
-            reason: format!(
-                "the tensor-parallel degree ({tp}) must divide the key/value heads \
-                 (n_kv_heads {kv}) or be a multiple of them (each replicated over tp / \
-                 n_kv_heads ranks)"
-            ),
-        })
+        kv_replicated(self.n_heads, self.kv_heads, self.comm.world_size())
     }
 
     /// The same factory building layers for sequence parallelism (`on`): column-parallel
@@ -101,6 +77,35 @@ impl TensorParallelFactory {
         self.sequence_parallel = on && self.comm.world_size() > 1;
         self
     }
+}
+
+/// Whether a tensor-parallel degree `tp` replicates the key/value projections of a model with
+/// `n_heads` query heads and `kv_heads` key/value heads (it is a multiple of them) rather
+/// than splitting them (it divides them); an error naming the numbers where it does neither,
+/// or does not divide the query heads.
+pub fn kv_replicated(n_heads: usize, kv_heads: usize, tp: usize) -> Result<bool> {
+    if tp == 0 || n_heads % tp != 0 {
+        return Err(ModelError::Config {
+            field: "tensor_parallel_degree",
+            reason: format!(
+                "the tensor-parallel degree ({tp}) must divide n_heads ({n_heads}): each rank \
+                 runs whole query heads"
+            ),
+        });
+    }
+    if kv_heads > 0 && kv_heads % tp == 0 {
+        return Ok(false);
+    }
+    if kv_heads > 0 && tp % kv_heads == 0 {
+        return Ok(true);
+    }
+    Err(ModelError::Config {
+        field: "tensor_parallel_degree",
+        reason: format!(
+            "the tensor-parallel degree ({tp}) must divide the key/value heads (n_kv_heads \
+             {kv_heads}) or be a multiple of them (each replicated over tp / n_kv_heads ranks)"
+        ),
+    })
 }
 
 impl LayerFactory for TensorParallelFactory {
