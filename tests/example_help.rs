@@ -9,7 +9,7 @@ use common::process::{command, example};
 
 #[test]
 fn every_example_lists_its_flags() {
-    let examples: [(&str, &[&str]); 8] = [
+    let examples: [(&str, &[&str]); 9] = [
         (
             "train_gpt",
             &[
@@ -24,6 +24,7 @@ fn every_example_lists_its_flags() {
             ],
         ),
         ("train_gpt_tp", &["--steps", "--tp"]),
+        ("train_llama", &["--steps", "--tp", "--zero", "--precision"]),
         ("train_gpt_zero3", &["--steps", "--zero"]),
         (
             "custom_loop",

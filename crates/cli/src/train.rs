@@ -226,7 +226,8 @@ pub fn run_main_job(label: &str, cfg: &RunConfig) -> anyhow::Result<()> {
 pub fn header(label: &str, cfg: &RunConfig) -> anyhow::Result<String> {
     let gpt = cfg.gpt_config()?;
     let mut out = format!(
-        "kiln {label}: GPT-3 architecture scaled down ({} layers, d_model {}, {} heads, ctx {}, vocab {}: {:.2}M parameters)\n",
+        "kiln {label}: {} scaled down ({} layers, d_model {}, {} heads, ctx {}, vocab {}: {:.2}M parameters)\n",
+        gpt.describe(),
         gpt.n_layers,
         gpt.d_model,
         gpt.n_heads,

@@ -424,6 +424,62 @@ impl GptConfig {
         Ok(())
     }
 
+    /// The architecture in a few words: `GPT-3 architecture` for GPT's choices, otherwise the
+    /// choices (`Llama architecture (RMSNorm, rotary, SwiGLU, 8 query heads sharing 2
+    /// key/value heads, untied head)` for the Llama ones).
+    ///
+    /// ```
+    /// use kiln_model::GptConfig;
+    /// assert_eq!(GptConfig::small_cpu().describe(), "GPT-3 architecture");
+    /// assert!(GptConfig::llama_cpu().describe().starts_with("Llama architecture (RMSNorm"));
+    /// ```
+    pub fn describe(&self) -> String {
+        let gpt = GptConfig::new(1, 1, 1, 1, 1);
+        let same = |a: &GptConfig| {
+            (a.norm, a.positions, a.mlp, a.bias, a.tied_embeddings)
+                == (gpt.norm, gpt.positions, gpt.mlp, gpt.bias, gpt.tied_embeddings)
+        };
+        if same(self) && !self.grouped_query() {
+            return "GPT-3 architecture".into();
+        }
+        let llama = self.norm == NormKind::RmsNorm
+            && self.positions == PositionKind::Rotary
+            && self.mlp == MlpKind::SwiGlu
+            && !self.bias;
+        let mut parts = vec![
+            match self.norm {
+                NormKind::LayerNorm => "LayerNorm",
+                NormKind::RmsNorm => "RMSNorm",
+            }
+            .to_string(),
+            match self.positions {
+                PositionKind::Learned => "learned positions",
+                PositionKind::Rotary => "rotary",
+            }
+            .to_string(),
+            match self.mlp {
+                MlpKind::Gelu => "GELU",
+                MlpKind::SwiGlu => "SwiGLU",
+            }
+            .to_string(),
+        ];
+        if self.grouped_query() {
+            parts.push(format!(
+                "{} query heads sharing {} key/value heads",
+                self.n_heads,
+                self.kv_heads()
+            ));
+        }
+        if !self.bias {
+            parts.push("no biases".into());
+        }
+        if !self.tied_embeddings {
+            parts.push("untied head".into());
+        }
+        let family = if llama { "Llama" } else { "decoder" };
+        format!("{family} architecture ({})", parts.join(", "))
+    }
+
     /// Key/value heads: [`GptConfig::n_kv_heads`], or `n_heads` when unset.
     pub fn kv_heads(&self) -> usize {
         self.n_kv_heads.unwrap_or(self.n_heads)

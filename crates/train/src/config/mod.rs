@@ -22,7 +22,13 @@ use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 
 /// The names [`RunConfig::preset`] knows.
-pub const RUN_PRESETS: &[&str] = &["tiny", "train_gpt", "train_gpt_zero3", "train_gpt_tp"];
+pub const RUN_PRESETS: &[&str] = &[
+    "tiny",
+    "train_gpt",
+    "train_gpt_zero3",
+    "train_gpt_tp",
+    "train_llama",
+];
 
 /// Everything a training run is configured with.
 ///
@@ -112,6 +118,8 @@ impl RunConfig {
     ///   memory estimate under a budget of 1 GiB per rank, one block in four recomputed whole
     ///   (ZeRO-3 gathers its parameters again for the recomputation).
     /// - `train_gpt_tp`: `train_gpt` on tp=4.
+    /// - `train_llama`: `train_gpt` with the Llama layout (`llama_cpu`: RMSNorm, rotary
+    ///   positions, SwiGLU, 8 query heads sharing 2 key/value heads, no biases, an untied head).
     pub fn preset(name: &str) -> Result<Self> {
         let key = name.trim().to_ascii_lowercase().replace('-', "_");
         let base = RunConfig::default();
@@ -207,6 +215,11 @@ impl RunConfig {
                 c
             }
             "train_gpt_tp" => gpt(1, 4, ZeroStage::Replicated, "train_gpt_tp"),
+            "train_llama" => {
+                let mut c = gpt(2, 2, ZeroStage::Zero1, "train_llama");
+                c.model.preset = "llama_cpu".into();
+                c
+            }
             _ => {
                 return Err(TrainError::config(
                     "RunConfig preset",
