@@ -75,7 +75,8 @@ pub fn round_f16(x: f32) -> f32 {
 #[inline(always)]
 pub fn round_bf16(x: f32) -> f32 {
     let bits = x.to_bits();
-    let rounded = (bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+    // wrapping: only a NaN's bits overflow, and its sum is not used
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
     let quiet = (bits | 0x0040_0000) & 0xffff_0000;
     f32::from_bits(if x.is_nan() { quiet } else { rounded })
 }

@@ -345,7 +345,9 @@ impl Block {
                     q = r.rotate(&q, h)?;
                     k = r.rotate(&k, hkv)?;
                 }
-                grouped_attention(&q, &k, &v, h, hkv, scale)?
+                // one fused op reading q, k and v where the projections wrote them: no
+                // repeated key/value heads, no permuted copies
+                ops::grouped_attention(&q, &k, &v, h, hkv, scale)?
             }
         };
         self.attn_proj.forward_with(&y, p)
@@ -383,26 +385,4 @@ impl Block {
         out.extend(self.c_fc.parameters());
         out.extend(self.mlp_proj.parameters());
     }
-}
-
-/// Grouped-query causal attention of token-major `q` `[b, t, h * dh]`, `k`, `v`
-/// `[b, t, hkv * dh]`: the heads to head-major, the key/value heads repeated for their groups,
-/// the fused causal attention, the heads side by side again.
-fn grouped_attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    h: usize,
-    hkv: usize,
-    scale: f64,
-) -> Result<Tensor> {
-    let (b, t, w) = q.dims3()?;
-    let dh = w / h;
-    let heads = |x: &Tensor, n: usize| -> Result<Tensor> {
-        Ok(x.reshape((b, t, n, dh))?.transpose(1, 2)?.contiguous()?)
-    };
-    let (q, k, v) = (heads(q, h)?, heads(k, hkv)?, heads(v, hkv)?);
-    let (k, v) = (ops::repeat_kv(&k, h / hkv)?, ops::repeat_kv(&v, h / hkv)?);
-    let y = ops::causal_attention(&q, &k, &v, scale)?;
-    Ok(y.transpose(1, 2)?.contiguous()?.reshape((b, t, h * dh))?)
 }

@@ -437,7 +437,13 @@ impl GptConfig {
         let gpt = GptConfig::new(1, 1, 1, 1, 1);
         let same = |a: &GptConfig| {
             (a.norm, a.positions, a.mlp, a.bias, a.tied_embeddings)
-                == (gpt.norm, gpt.positions, gpt.mlp, gpt.bias, gpt.tied_embeddings)
+                == (
+                    gpt.norm,
+                    gpt.positions,
+                    gpt.mlp,
+                    gpt.bias,
+                    gpt.tied_embeddings,
+                )
         };
         if same(self) && !self.grouped_query() {
             return "GPT-3 architecture".into();

@@ -31,6 +31,16 @@ pub enum ModelError {
         /// What is wrong, with the values involved.
         reason: String,
     },
+    /// Query heads that do not split into equal groups over the key/value heads.
+    #[error("{op}: kv_heads ({kv_heads}) must divide heads ({heads})")]
+    KvHeadsDoNotDivide {
+        /// The operation.
+        op: &'static str,
+        /// Query heads.
+        heads: usize,
+        /// Key/value heads.
+        kv_heads: usize,
+    },
     /// A numeric setting is out of its valid range.
     #[error("invalid value for {field}: {value} ({expected})")]
     InvalidValue {

@@ -14,6 +14,9 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use std::sync::{Arc, Mutex};
 
 mod cpu;
+mod grouped;
+
+pub use grouped::GroupedAttention;
 
 const OP: &str = "causal_attention";
 const PACKED_OP: &str = "causal_attention_packed";

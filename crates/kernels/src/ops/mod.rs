@@ -7,7 +7,8 @@
 //!   on contiguous input, so training through them silently leaves the weights unchanged.
 //! - [`CausalAttention`] fuses the whole attention product (scores, causal softmax, values)
 //!   without materialising the `seq x seq` scores; [`PackedAttention`] reads it straight from a
-//!   fused QKV projection's output.
+//!   fused QKV projection's output, and [`GroupedAttention`] from three projections' outputs
+//!   with fewer key/value heads than query heads (grouped-query and multi-query attention).
 //! - [`RmsNorm`], [`SwiGlu`], [`Rotary`] and [`RepeatKv`]: the Llama family's normalisation,
 //!   gated MLP activation, rotary position embedding and grouped-query attention's shared key
 //!   and value heads; their CUDA kernels (`cuda::llama`) compile for sm_90 but no GPU has run
@@ -31,7 +32,7 @@ mod softmax;
 mod swiglu;
 pub mod vocab;
 
-pub use attention::{CausalAttention, PackedAttention, MAX_CUDA_HEAD_DIM};
+pub use attention::{CausalAttention, GroupedAttention, PackedAttention, MAX_CUDA_HEAD_DIM};
 pub use cross_entropy::CrossEntropy;
 pub use gelu::{BiasGelu, Gelu};
 pub use layer_norm::LayerNorm;

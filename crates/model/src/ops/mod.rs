@@ -3,7 +3,8 @@
 //! f32, f64, f16 or bf16 storage, half types computing in f32, a backward built from a second
 //! fused kernel, and their CUDA kernels) through kiln-memory's tape, so a segment's backward
 //! can run from it. [`causal_attention`] fuses the whole attention product (scores, causal
-//! softmax, values) without materialising the `seq x seq` scores.
+//! softmax, values) without materialising the `seq x seq` scores; [`grouped_attention`] runs
+//! it with fewer key/value heads than query heads, from the projections' outputs as they are.
 //!
 //! candle's own `softmax_last_dim` and `layer_norm` build no backward node on contiguous
 //! input, so training through them silently leaves the weights unchanged; the model uses these
@@ -20,7 +21,7 @@ pub(crate) mod rotary;
 mod softmax;
 mod swiglu;
 
-pub use attention::{causal_attention, causal_attention_packed};
+pub use attention::{causal_attention, causal_attention_packed, grouped_attention};
 pub use cross_entropy::cross_entropy;
 pub use gelu::{bias_gelu, gelu};
 pub use layer_norm::{layer_norm, layer_norm_rows};

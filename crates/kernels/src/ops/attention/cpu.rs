@@ -35,6 +35,10 @@ pub(super) enum Rows {
     /// k and v, and `o`, `dO` as `[b, t, heads, dh]`. The kernels read the rows where they
     /// are, with no permuted copy.
     Packed { heads: usize },
+    /// As three projections write them for grouped-query attention: `q`, `o`, `dO` as `[b, t,
+    /// heads, dh]`, `k` and `v` as `[b, t, kv_heads, dh]`; query head `h` reads key/value head
+    /// `h / (heads / kv_heads)`, in place (no repeated copy).
+    Split { heads: usize, kv_heads: usize },
 }
 
 /// The inputs of all heads: `q`, `k`, `v` as `rows` says (in the packed layout all three are
@@ -48,21 +52,22 @@ pub(super) struct Qkv<'a, T> {
     pub(super) rows: Rows,
 }
 
-/// One head's `q`, `k`, `v`: row `j` of each at `j * rs`.
+/// One head's `q`, `k`, `v`: row `j` of `q` at `j * rq`, of `k` and `v` at `j * rkv`.
 struct Head<'a, T> {
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
     t: usize,
     dh: usize,
-    rs: usize,
+    rq: usize,
+    rkv: usize,
 }
 
 impl<'a, T> Qkv<'a, T> {
     /// The number of heads over the whole batch.
     fn heads(&self) -> usize {
         match self.rows {
-            Rows::HeadMajor => self.q.len() / (self.t * self.dh),
+            Rows::HeadMajor | Rows::Split { .. } => self.q.len() / (self.t * self.dh),
             Rows::Packed { .. } => self.q.len() / (3 * self.t * self.dh),
         }
     }
@@ -78,7 +83,8 @@ impl<'a, T> Qkv<'a, T> {
                     v: &self.v[at..],
                     t,
                     dh,
-                    rs: dh,
+                    rq: dh,
+                    rkv: dh,
                 }
             }
             Rows::Packed { heads } => {
@@ -90,7 +96,23 @@ impl<'a, T> Qkv<'a, T> {
                     v: &self.v[at + 2 * width..],
                     t,
                     dh,
-                    rs: 3 * width,
+                    rq: 3 * width,
+                    rkv: 3 * width,
+                }
+            }
+            Rows::Split { heads, kv_heads } => {
+                let (b, h) = (h / heads, h % heads);
+                let kvh = h / (heads / kv_heads);
+                let (rq, rkv) = (heads * dh, kv_heads * dh);
+                let at = b * t * rkv + kvh * dh;
+                Head {
+                    q: &self.q[b * t * rq + h * dh..],
+                    k: &self.k[at..],
+                    v: &self.v[at..],
+                    t,
+                    dh,
+                    rq,
+                    rkv,
                 }
             }
         }
@@ -118,7 +140,9 @@ impl<'a, T> Grads<'a, T> {
     fn head(&self, h: usize, t: usize, dh: usize, rows: Rows) -> HeadG<'a, T> {
         let (at, rs) = match rows {
             Rows::HeadMajor => (h * t * dh, dh),
-            Rows::Packed { heads } => ((h / heads) * t * heads * dh + (h % heads) * dh, heads * dh),
+            Rows::Packed { heads } | Rows::Split { heads, .. } => {
+                ((h / heads) * t * heads * dh + (h % heads) * dh, heads * dh)
+            }
         };
         HeadG {
             d_o: &self.d_o[at..],
@@ -330,15 +354,15 @@ fn fwd_head_impl<T: Elem, const FMA: bool, const X86: u8, const MR: usize, const
 ) {
     let (t, dh) = (x.t, x.dh);
     let (zero, one) = (<T::F as Float>::ZERO, <T::F as Float>::ONE);
-    transpose(x.k, t, dh, x.rs, &mut w.kt);
-    widen(x.v, 0..t, x.rs, dh, one, &mut w.vw);
+    transpose(x.k, t, dh, x.rkv, &mut w.kt);
+    widen(x.v, 0..t, x.rkv, dh, one, &mut w.vw);
     w.s.resize(BQ * t, zero);
     w.ob.resize(BQ * dh, zero);
     for (b, ob) in o.chunks_mut(BQ * dh).enumerate() {
         let i0 = b * BQ;
         let rows = ob.len() / dh;
         let nk = i0 + rows;
-        widen(x.q, i0..nk, x.rs, dh, scale, &mut w.q);
+        widen(x.q, i0..nk, x.rq, dh, scale, &mut w.q);
         gemm::<_, FMA, X86, MR, NR>(
             &mut w.s,
             t,
@@ -444,9 +468,9 @@ fn bwd_head_impl<T: Elem, const FMA: bool, const X86: u8, const MR: usize, const
 ) {
     let (t, dh) = (x.t, x.dh);
     let (zero, one) = (<T::F as Float>::ZERO, <T::F as Float>::ONE);
-    transpose(x.k, t, dh, x.rs, &mut w.kt);
-    transpose(x.v, t, dh, x.rs, &mut w.vt);
-    widen(x.k, 0..t, x.rs, dh, one, &mut w.kw);
+    transpose(x.k, t, dh, x.rkv, &mut w.kt);
+    transpose(x.v, t, dh, x.rkv, &mut w.vt);
+    widen(x.k, 0..t, x.rkv, dh, one, &mut w.kw);
     for buf in [&mut w.dkw, &mut w.dvw] {
         buf.clear();
         buf.resize(t * dh, zero);
@@ -460,7 +484,7 @@ fn bwd_head_impl<T: Elem, const FMA: bool, const X86: u8, const MR: usize, const
         let rows = dqb.len() / dh;
         let nk = i0 + rows;
         // q carries the scale, as in the forward, so the scores are computed identically
-        widen(x.q, i0..nk, x.rs, dh, scale, &mut w.q);
+        widen(x.q, i0..nk, x.rq, dh, scale, &mut w.q);
         widen(g.d_o, i0..nk, g.rs, dh, one, &mut w.g);
         let prod = (rows, nk, dh);
         gemm::<_, FMA, X86, MR, NR>(

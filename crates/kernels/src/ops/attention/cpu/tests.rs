@@ -83,7 +83,8 @@ fn avx2_and_avx512_copies_agree_bitwise() {
         v: &v,
         t,
         dh,
-        rs: dh,
+        rq: dh,
+        rkv: dh,
     };
     let run = |simd: Simd| {
         let mut w = Scratch::default();
