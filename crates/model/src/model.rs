@@ -101,8 +101,7 @@ impl Gpt {
     /// parameter is initialised whole from its `(seed, name)` stream and then sharded, so the
     /// model equals the `tp = 1` one at any degree.
     pub fn tensor_parallel(cfg: &GptConfig, opts: &GptOptions, tp: TpComm) -> Result<Self> {
-        let factory = TensorParallelFactory::new(tp.clone(), cfg.n_heads)
-            .with_kv_heads(cfg.kv_heads())
+        let factory = TensorParallelFactory::for_config(tp.clone(), cfg)
             .with_sequence_parallel(opts.sequence_parallel);
         Self::tensor_parallel_with_factory(cfg, opts, tp, &factory)
     }

@@ -56,6 +56,11 @@ impl TensorParallelFactory {
         }
     }
 
+    /// A factory over the group `comm` for the model `cfg`: its query and key/value heads.
+    pub fn for_config(comm: TpComm, cfg: &crate::GptConfig) -> Self {
+        Self::new(comm, cfg.n_heads).with_kv_heads(cfg.kv_heads())
+    }
+
     /// The same factory for a model with `kv_heads` key/value heads (grouped-query attention;
     /// [`crate::GptConfig::kv_heads`]).
     pub fn with_kv_heads(mut self, kv_heads: usize) -> Self {

@@ -35,26 +35,33 @@ pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
 /// The file [`Lora::save_adapter`] writes the [`LoraConfig`] to.
 pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
 
-/// A projection of a GPT block that can carry an adapter (PEFT's `target_modules`).
+/// A projection of a block that can carry an adapter (PEFT's `target_modules`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LoraTarget {
-    /// The query third of the fused QKV projection.
+    /// The query projection (the query third of a fused QKV projection).
     Q,
-    /// The key third of the fused QKV projection.
+    /// The key projection (or third).
     K,
-    /// The value third of the fused QKV projection.
+    /// The value projection (or third).
     V,
     /// The attention output projection.
     O,
-    /// The MLP's first layer.
+    /// The MLP's first layer: a GELU MLP's fc1, or both halves of a SwiGLU's fused gate and
+    /// up.
     Fc1,
-    /// The MLP's second layer.
+    /// The MLP's second layer (a SwiGLU's down projection).
     Fc2,
+    /// The gate half of a SwiGLU's fused gate and up projection.
+    Gate,
+    /// The up half of a SwiGLU's fused gate and up projection.
+    Up,
+    /// A SwiGLU's down projection (the MLP's second layer, as [`LoraTarget::Fc2`]).
+    Down,
 }
 
 impl LoraTarget {
-    /// Every target.
+    /// Every target of a GPT block.
     pub const ALL: [LoraTarget; 6] = [
         LoraTarget::Q,
         LoraTarget::K,
@@ -113,7 +120,7 @@ impl LoraConfig {
         if self.targets.is_empty() {
             return Err(TuneError::config(
                 "lora.targets",
-                "must name at least one of q, k, v, o, fc1, fc2",
+                "must name at least one of q, k, v, o, fc1, fc2, gate, up, down",
             ));
         }
         let mut seen = self.targets.clone();
@@ -134,7 +141,18 @@ impl LoraConfig {
 
     fn targets_kind(&self, kind: LinearKind) -> Vec<(usize, &'static str)> {
         let has = |t| self.targets.contains(&t);
+        let single = |t: LoraTarget| if has(t) { vec![(0, "")] } else { Vec::new() };
         match kind {
+            LinearKind::MlpGateUp => [(LoraTarget::Gate, "gate"), (LoraTarget::Up, "up")]
+                .into_iter()
+                .enumerate()
+                .filter(|(_, (t, _))| has(*t) || has(LoraTarget::Fc1))
+                .map(|(i, (_, s))| (i, s))
+                .collect(),
+            LinearKind::AttnQ => single(LoraTarget::Q),
+            LinearKind::AttnK => single(LoraTarget::K),
+            LinearKind::AttnV => single(LoraTarget::V),
+            LinearKind::MlpDown if has(LoraTarget::Down) => vec![(0, "")],
             LinearKind::AttnQkv => [
                 (LoraTarget::Q, "q"),
                 (LoraTarget::K, "k"),
@@ -153,6 +171,16 @@ impl LoraConfig {
     }
 }
 
+/// The parts a fused projection's output is laid out in, each with its own adapter: 3 for
+/// the fused QKV, 2 for a SwiGLU's gate and up, 1 otherwise.
+fn fused_parts(kind: LinearKind) -> usize {
+    match kind {
+        LinearKind::AttnQkv => 3,
+        LinearKind::MlpGateUp => 2,
+        _ => 1,
+    }
+}
+
 /// True for the name of an adapter parameter (`...lora_A...` or `...lora_B...`): the predicate
 /// to keep trainable when everything else is frozen.
 pub fn is_adapter_param(name: &str) -> bool {
@@ -168,7 +196,8 @@ struct Control {
 /// One adapter pair on one projection (or one third of the QKV projection).
 #[derive(Debug)]
 struct Part {
-    /// 0, 1, 2 for q, k, v of the QKV projection; 0 otherwise.
+    /// 0, 1, 2 for q, k, v of the QKV projection, 0 and 1 for the gate and up halves of a
+    /// fused gate and up; 0 otherwise.
     third: usize,
     a_name: String,
     b_name: String,
@@ -206,11 +235,7 @@ impl LoraLinear {
         let w = self.base_weight()?;
         let (out_local, in_local) = w.dims2()?;
         let mut rows: Vec<Tensor> = Vec::new();
-        let thirds = if self.spec.kind == LinearKind::AttnQkv {
-            3
-        } else {
-            1
-        };
+        let thirds = fused_parts(self.spec.kind);
         let per = out_local / thirds;
         for t in 0..thirds {
             let block = match self.parts.iter().find(|p| p.third == t) {
@@ -306,13 +331,14 @@ impl LoraLinear {
             };
             outs.push((part.third, y));
         }
-        let y = if self.spec.kind == LinearKind::AttnQkv {
-            let width = self.base.local_out_features() / 3;
+        let parts = fused_parts(self.spec.kind);
+        let y = if parts > 1 {
+            let width = self.base.local_out_features() / parts;
             let mut dims = x.dims().to_vec();
             if let Some(last) = dims.last_mut() {
                 *last = width;
             }
-            let thirds = (0..3)
+            let thirds = (0..parts)
                 .map(|t| match outs.iter().find(|(i, _)| *i == t) {
                     Some((_, y)) => Ok(y.clone()),
                     None => Tensor::zeros(dims.as_slice(), x.dtype(), x.device()),
@@ -433,18 +459,27 @@ impl<F: LayerFactory> LoraFactory<F> {
             return Ok(None);
         }
         let base = self.inner.linear(init, spec)?;
+        let replicated = base
+            .param_splits()
+            .is_some_and(|v| v.iter().any(|(_, s)| *s == TpSplit::Replicated));
+        if replicated && spec.kind.parallel_style() == ParallelStyle::Column {
+            return Err(TuneError::config(
+                "lora.targets",
+                format!(
+                    "{} is replicated over the tensor-parallel ranks (a degree above the \
+                     key/value heads); adapters on it are not supported: leave k and v out of \
+                     the targets or use a degree that divides n_kv_heads",
+                    spec.name
+                ),
+            ));
+        }
         let (tp, rank) = self
             .tp
             .as_ref()
             .map_or((1, 0), |c| (c.world_size(), c.rank()));
         let r = self.cfg.rank;
         let style = spec.kind.parallel_style();
-        let qkv = spec.kind == LinearKind::AttnQkv;
-        let out_part = if qkv {
-            spec.out_features / 3
-        } else {
-            spec.out_features
-        };
+        let out_part = spec.out_features / fused_parts(spec.kind);
         let fan_in = spec.in_features;
         // Kaiming-uniform with a = sqrt(5) (PEFT's A): the bound 1 / sqrt(fan_in), written as
         // Xavier-uniform over [r, fan_in] with the gain that gives it
@@ -545,7 +580,7 @@ pub fn lora_gpt(
 ) -> Result<(Gpt, Lora)> {
     let (mut model, handle) = match tp.filter(|c| c.world_size() > 1) {
         Some(tp) => {
-            let inner = TensorParallelFactory::new(tp.clone(), cfg.n_heads);
+            let inner = TensorParallelFactory::for_config(tp.clone(), cfg);
             let factory = LoraFactory::new(inner, lora.clone(), Some(tp.clone()))?;
             let m = Gpt::tensor_parallel_with_factory(cfg, opts, tp, &factory)?;
             (m, factory.lora())

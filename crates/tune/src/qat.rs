@@ -317,7 +317,7 @@ pub fn qat_gpt(
 ) -> Result<(Gpt, Qat)> {
     match tp.filter(|c| c.world_size() > 1) {
         Some(tp) => {
-            let inner = TensorParallelFactory::new(tp.clone(), cfg.n_heads);
+            let inner = TensorParallelFactory::for_config(tp.clone(), cfg);
             let f = QatFactory::new(inner, *qat, Some(tp.clone()))?;
             let m = Gpt::tensor_parallel_with_factory(cfg, opts, tp, &f)?;
             Ok((m, f.qat()))

@@ -495,3 +495,96 @@ fn bad_configurations_name_the_field() {
         assert!(e.contains(field), "{e}");
     }
 }
+
+/// LoRA on every projection of the Llama layout (q, k and v of grouped-query attention, o,
+/// the gate and up halves of the fused SwiGLU projection, down): the base at initialisation,
+/// merged against unmerged, and tp = 2 against tp = 1.
+#[test]
+fn lora_on_llama_projections_equals_its_references() {
+    let cfg = GptConfig::llama_tiny();
+    let opts = GptOptions::seeded(9);
+    let lc = LoraConfig {
+        targets: vec![
+            LoraTarget::Q,
+            LoraTarget::K,
+            LoraTarget::V,
+            LoraTarget::O,
+            LoraTarget::Gate,
+            LoraTarget::Up,
+            LoraTarget::Down,
+        ],
+        ..all_targets(4)
+    };
+    let (model, lora) = lora_gpt(&cfg, &opts, &lc, None).unwrap();
+    let base = Gpt::new(&cfg, &opts).unwrap();
+    let (x, y) = batch(2, 16, cfg.vocab_size, 2);
+    let a = flat(&model.forward(&x).unwrap());
+    assert_eq!(a, flat(&base.forward(&x).unwrap()), "at initialisation");
+    // per block: q and o [128 -> 128], k and v [128 -> 64], the gate and up halves [128 -> 352],
+    // down [352 -> 128]; A [4, in], B [out, 4]
+    let ab = |i: usize, o: usize| 4 * i + o * 4;
+    let per_block = ab(128, 128) + 2 * ab(128, 64) + ab(128, 128) + 2 * ab(128, 352) + ab(352, 128);
+    assert_eq!(model.num_trainable_parameters(), 2 * per_block);
+    perturb(&lora, 3);
+    let unmerged = flat(&model.forward(&x).unwrap());
+    assert!(kiln_testkit::max_rel_diff(&unmerged, &a) > 1e-3);
+    lora.merge().unwrap();
+    assert_close(&flat(&model.forward(&x).unwrap()), &unmerged, 1e-5, 1e-5);
+    lora.unmerge().unwrap();
+    let loss = model.loss(&x, &y).unwrap();
+    let grads = loss.backward().unwrap();
+    let dense_grads: Vec<(String, Tensor)> = lora
+        .parameters()
+        .into_iter()
+        .map(|(n, v)| (n, grads.get(v.as_tensor()).unwrap().clone()))
+        .collect();
+    let dense_params: Vec<Vec<f32>> = lora
+        .parameters()
+        .iter()
+        .map(|(_, v)| flat(v.as_tensor()))
+        .collect();
+    let dims: Vec<Vec<usize>> = lora
+        .parameters()
+        .iter()
+        .map(|(_, v)| v.dims().to_vec())
+        .collect();
+    run_ranks(2, |comm: ThreadComm| {
+        let tp: Arc<dyn Communicator> = Arc::new(comm);
+        let (m, l) = lora_gpt(&cfg, &opts, &lc, Some(tp.clone()))?;
+        // this rank's shard of the perturbed dense adapters
+        for (((_, v), split), (vals, d)) in l
+            .parameters()
+            .iter()
+            .zip(l.param_splits())
+            .zip(dense_params.iter().zip(&dims))
+        {
+            let full = Tensor::from_vec(vals.clone(), d.as_slice(), &Device::Cpu)?;
+            v.set(&split.1.shard(&full, 2, tp.rank())?)?;
+        }
+        assert_close(&flat(&m.forward(&x)?), &unmerged, 1e-5, 1e-5);
+        let g = m.loss(&x, &y)?.backward()?;
+        for (((n, v), (_, split)), (dn, dg)) in l
+            .parameters()
+            .iter()
+            .zip(l.param_splits())
+            .zip(&dense_grads)
+        {
+            assert_eq!(n, dn);
+            let want = flat(&split.shard(dg, 2, tp.rank())?);
+            assert_close(&flat(g.get(v.as_tensor()).unwrap()), &want, 1e-5, 1e-5);
+        }
+        Ok(())
+    });
+    // over 4 ranks the 2 key/value heads are replicated: adapters on them are refused by name
+    let outs = run_ranks(4, |comm: ThreadComm| {
+        let tp: Arc<dyn Communicator> = Arc::new(comm);
+        Ok(lora_gpt(&cfg, &opts, &lc, Some(tp))
+            .unwrap_err()
+            .to_string())
+    });
+    assert!(
+        outs[0].contains("h.0.attn.k_proj") && outs[0].contains("replicated"),
+        "{}",
+        outs[0]
+    );
+}
