@@ -312,15 +312,31 @@ fn to_f32(name: &str, t: &TensorData) -> Result<Vec<f32>> {
     })
 }
 
+/// `cfg` has GPT-2's layout (LayerNorm, learned positions, GELU, multi-head attention, biases,
+/// a tied head), or an error naming its architecture.
+fn gpt2_layout(cfg: &GptConfig) -> Result<()> {
+    let arch = cfg.describe();
+    if arch == "GPT-3 architecture" {
+        return Ok(());
+    }
+    Err(ModelError::Config {
+        field: "architecture",
+        reason: format!(
+            "Hugging Face's GPT-2 layout, read and written here, cannot hold the {arch}"
+        ),
+    })
+}
+
 /// Turns kiln's whole parameters of `cfg` (as [`gpt_param_shapes`] names them; the fused QKV
 /// also as a checkpoint's `[3, d, in]`) into GPT-2's tensors, f32, in kiln's order.
 ///
 /// Every parameter must be present exactly once with its shape's element count; unknown names
-/// are an error.
+/// are an error, and so is an architecture GPT-2's layout cannot hold (the Llama layout).
 pub fn to_hf(
     cfg: &GptConfig,
     params: &[(String, TensorData)],
 ) -> Result<Vec<(String, TensorData)>> {
+    gpt2_layout(cfg)?;
     let mut by_name: HashMap<&str, &TensorData> = HashMap::new();
     for (n, t) in params {
         if by_name.insert(n.as_str(), t).is_some() {
@@ -377,6 +393,7 @@ pub fn from_hf(
     cfg: &GptConfig,
     tensors: &[(String, TensorData)],
 ) -> Result<Vec<(String, TensorData)>> {
+    gpt2_layout(cfg)?;
     let mut by_name: HashMap<String, &TensorData> = HashMap::new();
     let mut lm_head = None;
     for (n, t) in tensors {
@@ -644,6 +661,25 @@ mod tests {
     /// The error's text, or "" when `r` is not an error.
     fn err_of<T>(r: Result<T>) -> String {
         r.err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn the_llama_layout_is_not_written_as_gpt2() {
+        let cfg = GptConfig::llama_tiny();
+        let e = err_of(to_hf(&cfg, &params(&cfg)));
+        assert!(
+            e.contains("GPT-2") && e.contains("Llama architecture"),
+            "{e}"
+        );
+        let gpt = GptConfig::new(16, 8, 8, 2, 2);
+        let e = err_of(from_hf(
+            &cfg,
+            &to_hf(&gpt, &params(&gpt)).unwrap_or_default(),
+        ));
+        assert!(
+            e.contains("GPT-2") && e.contains("Llama architecture"),
+            "{e}"
+        );
     }
 
     #[test]
