@@ -13,10 +13,7 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
 use common::process::{command, kiln, stdout_of, train_gpt, work_dir};
-use kiln_model::{Gpt, GptOptions};
-use kiln_train::Pretrained;
 use std::path::Path;
 
 /// The `ids:` line of `kiln sample --greedy --ids` on `model`.
@@ -83,54 +80,7 @@ fn the_main_jobs_export_is_gpt2_to_numpy() {
     }
 
     // kiln's logits from the checkpoint; the numpy GPT-2's from the export
-    let ckpt = Pretrained::load(&latest).unwrap();
-    let model = Gpt::new(&ckpt.config, &GptOptions::seeded(0)).unwrap();
-    ckpt.load_into(&model).unwrap();
-    let ids: Vec<u32> = (0..ckpt.config.n_ctx as u32)
-        .map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(17) % ckpt.config.vocab_size as u32)
-        .collect();
-    let tokens = Tensor::new(ids.as_slice(), &Device::Cpu)
-        .unwrap()
-        .unsqueeze(0)
-        .unwrap();
-    let logits: Vec<f32> = model
-        .forward(&tokens)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    if let Some(python) = kiln_testkit::Python::require("the numpy GPT-2 reference", &["numpy"]) {
-        let file = root.join("numpy_logits.f32");
-        let list: Vec<String> = ids.iter().map(u32::to_string).collect();
-        python.run(
-            "scripts/gpt2_numpy_forward.py",
-            [
-                common::process::repo()
-                    .join("scripts/gpt2_numpy_forward.py")
-                    .as_os_str(),
-                export.as_os_str(),
-                std::ffi::OsStr::new(&list.join(",")),
-                file.as_os_str(),
-            ],
-        );
-        let reference: Vec<f32> = std::fs::read(&file)
-            .unwrap()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        assert_eq!(reference.len(), logits.len());
-        let worst = logits
-            .iter()
-            .zip(&reference)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        println!(
-            "numpy GPT-2 on the export vs kiln on the checkpoint: {} logits, largest |difference| {worst:.3e}",
-            logits.len()
-        );
-        assert!(worst <= 1e-5, "logits differ by {worst:e}");
-    }
+    common::process::numpy_export_matches("GPT-2", "gpt2_numpy_forward.py", &latest, &export);
 
     // the same greedy continuation from the checkpoint and from its export
     let a = greedy_ids(&out.join("checkpoints"));

@@ -2,15 +2,20 @@
 //! trains the Llama layout (`llama_cpu`) as the main job does, dp=2 x tp=2 sequence-parallel
 //! with ZeRO-1 and fp16, and the validation loss it prints falls below the unigram entropy of
 //! the corpus under the run's own tokenizer (computed here: 6.54 nats for the committed
-//! corpus), so the model learned more than token frequencies.
+//! corpus), so the model learned more than token frequencies. Then `kiln export-hf` writes its
+//! checkpoint (saved at dp=2 x tp=2, ZeRO-1) as a `LlamaForCausalLM` folder, from which an
+//! independent numpy Llama (`scripts/llama_numpy_forward.py`) computes the logits kiln computes
+//! from the checkpoint within 1e-5, and `kiln import-hf` trains on from that folder at tp=4
+//! (each key/value head replicated on 2 ranks), starting at the trained model's loss.
 //!
-//! Needs the `train_llama` example (`cargo test --workspace --release` builds it;
-//! `KILN_TRAIN_LLAMA` names another binary).
+//! Needs the `train_llama` example and the `kiln` command (`cargo test --workspace --release`
+//! builds both; `KILN_TRAIN_LLAMA` and `KILN_BIN` name others) and python3 with numpy for the
+//! numpy part (CI installs it; its absence fails under `CI=true`).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
-use common::process::{command, example, repo, stdout_of, work_dir};
+use common::process::{command, example, kiln, losses, repo, stdout_of, work_dir};
 use kiln_data::Tokenizer;
 use std::collections::HashMap;
 
@@ -67,5 +72,61 @@ fn train_llama_learns_more_than_token_frequencies() {
     assert!(
         val.is_finite() && val < h,
         "validation loss {val} vs unigram entropy {h}"
+    );
+
+    // out as a LlamaForCausalLM folder
+    let export = out.join("hf");
+    let ex = command(&kiln())
+        .arg("export-hf")
+        .arg(out.join("checkpoints"))
+        .arg(&export)
+        .output()
+        .unwrap();
+    let printed = stdout_of("kiln export-hf", ex);
+    assert!(printed.contains("LlamaForCausalLM"), "{printed}");
+    for f in [
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+    ] {
+        assert!(export.join(f).is_file(), "{f} missing: {printed}");
+    }
+    common::process::numpy_export_matches(
+        "Llama",
+        "llama_numpy_forward.py",
+        &out.join("checkpoints"),
+        &export,
+    );
+
+    // and back in, at another layout: tp=4 replicates each key/value head on 2 ranks
+    let imported = out.join("import");
+    let mut cmd = command(&kiln());
+    cmd.arg("import-hf")
+        .arg(&export)
+        .args([
+            "--run",
+            "train_llama",
+            "--dp",
+            "1",
+            "--tp",
+            "4",
+            "--steps",
+            "2",
+        ])
+        .args(["--metrics.tensorboard", "false", "--metrics.png", "false"])
+        .arg("--out")
+        .arg(&imported);
+    let printed = stdout_of("kiln import-hf", cmd.output().unwrap());
+    assert!(printed.contains("Llama with 4 layers"), "{printed}");
+    let first = losses(&imported);
+    assert_eq!(first.len(), 2, "{first:?}");
+    println!(
+        "import at tp=4: step-1 loss {:.4} (a fresh model starts near ln(8192) = 9.01)",
+        first[0].1
+    );
+    assert!(
+        first[0].1 < 7.0,
+        "the import did not start from the trained weights: {first:?}"
     );
 }

@@ -227,3 +227,59 @@ pub fn loss_bits(out: &Path) -> Vec<(u64, u64)> {
         .map(|(s, l)| (s, l.to_bits()))
         .collect()
 }
+
+/// kiln's logits from the checkpoint `ckpt` (a folder of checkpoints or one step) on
+/// `n_ctx` fixed token ids, against those of the numpy model `script` (under `scripts/`,
+/// called as `script DIR IDS OUT`) from the exported folder `export`: the largest difference,
+/// which must be at most 1e-5 (`what` names the model in the message). `None` where python3
+/// with numpy is missing outside CI (under `CI=true` that is a failure).
+pub fn numpy_export_matches(what: &str, script: &str, ckpt: &Path, export: &Path) -> Option<f32> {
+    use candle_core::{Device, Tensor};
+    let p = kiln_train::Pretrained::load(ckpt).unwrap();
+    let model = kiln_model::Gpt::new(&p.config, &kiln_model::GptOptions::seeded(0)).unwrap();
+    p.load_into(&model).unwrap();
+    let ids: Vec<u32> = (0..p.config.n_ctx as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(17) % p.config.vocab_size as u32)
+        .collect();
+    let tokens = Tensor::new(ids.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits: Vec<f32> = model
+        .forward(&tokens)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let python = kiln_testkit::Python::require(&format!("the numpy {what} reference"), &["numpy"])?;
+    let file = export.join("numpy_logits.f32");
+    let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let path = repo().join("scripts").join(script);
+    python.run(
+        script,
+        [
+            path.as_os_str(),
+            export.as_os_str(),
+            std::ffi::OsStr::new(&list.join(",")),
+            file.as_os_str(),
+        ],
+    );
+    let reference: Vec<f32> = std::fs::read(&file)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(reference.len(), logits.len());
+    let worst = logits
+        .iter()
+        .zip(&reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    println!(
+        "numpy {what} on the export vs kiln on the checkpoint: {} logits, largest |difference| {worst:.3e}",
+        logits.len()
+    );
+    assert!(worst <= 1e-5, "{what}: logits differ by {worst:e}");
+    Some(worst)
+}

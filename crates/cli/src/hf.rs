@@ -1,5 +1,6 @@
 //! `kiln export-hf` (a kiln checkpoint, saved with any dp, tp and ZeRO stage, as a Hugging Face
-//! GPT-2 folder) and `kiln import-hf` (a training run started from such a folder's weights).
+//! GPT-2 or `LlamaForCausalLM` folder) and `kiln import-hf` (a training run started from such
+//! a folder's weights).
 
 use crate::train::TrainArgs;
 use anyhow::Context;
@@ -10,7 +11,9 @@ use std::path::PathBuf;
 /// `kiln export-hf`: writes `model.safetensors` (f32, `transformer.*` names, GPT-2's `Conv1D`
 /// orientation), `config.json` (`GPT2LMHeadModel`, `gelu_new`) and the run's
 /// `tokenizer.json`, which `transformers.GPT2LMHeadModel.from_pretrained(OUT)` and
-/// `tokenizers.Tokenizer.from_file` load as they are.
+/// `tokenizers.Tokenizer.from_file` load as they are; a model in the Llama layout as a
+/// `LlamaForCausalLM` folder (`model.layers.*` names, shards with an index above 5 GB,
+/// `generation_config.json`).
 #[derive(Debug, Clone, clap::Args)]
 #[command(after_help = "Example:\n  kiln export-hf runs/train_gpt/checkpoints/latest out/")]
 pub struct ExportArgs {
@@ -56,13 +59,22 @@ impl ExportArgs {
             }
         };
         let files = hf::save_hf_dir(out, &model.config, &model.params, tokenizer.as_deref(), eot)?;
-        println!("wrote the Hugging Face GPT-2 folder {}:", out.display());
+        let class = match hf::llama::llama_layout(c) {
+            Ok(()) => ("Llama", "LlamaForCausalLM"),
+            Err(_) => ("GPT-2", "GPT2LMHeadModel"),
+        };
+        println!(
+            "wrote the Hugging Face {} folder {}:",
+            class.0,
+            out.display()
+        );
         for f in &files {
             let size = std::fs::metadata(f).map(|m| m.len()).unwrap_or(0);
             println!("  {} ({size} bytes)", f.display());
         }
         println!(
-            "load it with transformers.GPT2LMHeadModel.from_pretrained({:?})",
+            "load it with transformers.{}.from_pretrained({:?})",
+            class.1,
             out.display().to_string()
         );
         Ok(())
@@ -77,7 +89,7 @@ impl ExportArgs {
 #[derive(Debug, Clone, clap::Args)]
 #[command(after_help = "Example:\n  kiln import-hf out/ --tp 4 --steps 20")]
 pub struct ImportArgs {
-    /// A Hugging Face GPT-2 folder (config.json + model.safetensors)
+    /// A Hugging Face GPT-2 or Llama folder (config.json + model.safetensors or its shards)
     #[arg(value_name = "HF_DIR")]
     pub dir: PathBuf,
     /// The run preset whose corpus and layout it trains with
@@ -92,10 +104,9 @@ impl ImportArgs {
     /// Trains from the folder's weights, printing the first and last losses.
     pub fn run(&self) -> anyhow::Result<()> {
         let dir = &self.dir;
-        let hf_cfg = hf::read_hf_config(dir)?;
-        let gpt = hf_cfg
-            .to_gpt()
+        let gpt = hf::read_model_config(dir)
             .with_context(|| format!("{} describes a model kiln cannot compute", dir.display()))?;
+        let llama = hf::llama::llama_layout(&gpt).is_ok();
         // the defaults of an import, then the folder's model, then the user's flags
         let mut flags: Vec<String> = [
             "--steps",
@@ -110,15 +121,27 @@ impl ImportArgs {
         ]
         .map(String::from)
         .to_vec();
-        for (k, v) in [
-            ("vocab_size", gpt.vocab_size),
-            ("n_ctx", gpt.n_ctx),
-            ("d_model", gpt.d_model),
-            ("n_layers", gpt.n_layers),
-            ("n_heads", gpt.n_heads),
-        ] {
+        let mut sizes = vec![
+            ("vocab_size", gpt.vocab_size.to_string()),
+            ("n_ctx", gpt.n_ctx.to_string()),
+            ("d_model", gpt.d_model.to_string()),
+            ("n_layers", gpt.n_layers.to_string()),
+            ("n_heads", gpt.n_heads.to_string()),
+        ];
+        if llama {
+            // the Llama layout, then the folder's sizes
+            sizes.insert(0, ("preset", "llama_cpu".into()));
+            sizes.extend([
+                ("n_kv_heads", gpt.kv_heads().to_string()),
+                ("ffn_hidden_size", gpt.d_ff().to_string()),
+                ("rope_theta", gpt.rope_theta.to_string()),
+                ("norm_eps", gpt.layer_norm_eps.to_string()),
+                ("tied_embeddings", gpt.tied_embeddings.to_string()),
+            ]);
+        }
+        for (k, v) in sizes {
             flags.push(format!("--model.{k}"));
-            flags.push(v.to_string());
+            flags.push(v);
         }
         flags.push("--model.init_from".into());
         flags.push(dir.display().to_string());
@@ -132,8 +155,9 @@ impl ImportArgs {
         let cfg = kiln_train::RunConfig::from_args(&self.run, flags)?;
         cfg.validate()?;
         println!(
-            "import {}: GPT-2 with {} layers, d_model {}, {} heads, context {}, vocabulary {}",
+            "import {}: {} with {} layers, d_model {}, {} heads, context {}, vocabulary {}",
             dir.display(),
+            if llama { "Llama" } else { "GPT-2" },
             gpt.n_layers,
             gpt.d_model,
             gpt.n_heads,

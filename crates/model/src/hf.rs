@@ -19,6 +19,12 @@
 //! `transformer.` prefix (the original `gpt2` upload), ignores GPT-2's causal-mask buffers
 //! (`attn.bias`, `attn.masked_bias`), and accepts an `lm_head.weight` only when it equals the
 //! token embedding (kiln ties them).
+//!
+//! The Llama layout goes to and from `LlamaForCausalLM` folders in [`llama`];
+//! [`load_hf_dir`], [`save_hf_dir`] and [`read_model_config`] choose by the folder's
+//! `model_type` and the model's architecture.
+
+pub mod llama;
 
 use crate::config::GptConfig;
 use crate::error::{ModelError, Result};
@@ -276,7 +282,7 @@ fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
+pub(crate) fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
     ModelError::HfTensor {
         tensor: name.to_string(),
         reason: reason.into(),
@@ -284,7 +290,7 @@ fn tensor_err(name: &str, reason: impl Into<String>) -> ModelError {
 }
 
 /// The f32 values of `t`, whatever its float dtype.
-fn to_f32(name: &str, t: &TensorData) -> Result<Vec<f32>> {
+pub(crate) fn to_f32(name: &str, t: &TensorData) -> Result<Vec<f32>> {
     let bad = |e: kiln_state::StateError| tensor_err(name, e.to_string());
     Ok(match t.dtype() {
         DType::F32 => t.to_vec::<f32>().map_err(bad)?,
@@ -475,7 +481,7 @@ pub fn from_hf(
     Ok(out)
 }
 
-fn file_err(file: &Path, reason: impl Into<String>) -> ModelError {
+pub(crate) fn file_err(file: &Path, reason: impl Into<String>) -> ModelError {
     ModelError::HfFile {
         file: file.to_path_buf(),
         reason: reason.into(),
@@ -539,19 +545,19 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, TensorData)]) -> Resul
     write_atomic(path, &bytes)
 }
 
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, bytes).map_err(|e| file_err(&tmp, e.to_string()))?;
     std::fs::rename(&tmp, path).map_err(|e| file_err(path, e.to_string()))
 }
 
-/// A Hugging Face GPT-2 folder read into kiln's terms.
+/// A Hugging Face GPT-2 or Llama folder read into kiln's terms.
 #[derive(Debug, Clone)]
 pub struct HfModel {
     /// kiln's configuration, from `config.json`.
     pub config: GptConfig,
     /// `config.json` as read.
-    pub hf_config: Gpt2Config,
+    pub hf_config: serde_json::Value,
     /// kiln's whole parameters ([`gpt_param_shapes`] names and order), f32.
     pub params: Vec<(String, TensorData)>,
     /// The folder's `tokenizer.json`, when it has one.
@@ -565,34 +571,72 @@ pub fn read_hf_config(dir: &Path) -> Result<Gpt2Config> {
     serde_json::from_str(&text).map_err(|e| file_err(&path, format!("not GPT-2's config: {e}")))
 }
 
-/// Reads a Hugging Face GPT-2 folder (`config.json`, `model.safetensors`, optionally
-/// `tokenizer.json`): the configuration checked against what kiln computes, every tensor
-/// mapped to kiln's layout. Errors name the file and, for tensors, the tensor.
+/// kiln's configuration of the model a Hugging Face folder's `config.json` describes: GPT-2's,
+/// or Llama's where its `model_type` is `"llama"`; a setting kiln does not compute is an error
+/// naming the field.
+pub fn read_model_config(dir: &Path) -> Result<GptConfig> {
+    let path = dir.join(HF_CONFIG_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| file_err(&path, e.to_string()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| file_err(&path, format!("not JSON: {e}")))?;
+    let cfg = if value.get("model_type").and_then(|t| t.as_str()) == Some("llama") {
+        llama::read_llama_config(dir)?.to_gpt()
+    } else {
+        read_hf_config(dir)?.to_gpt()
+    };
+    cfg.map_err(|e| file_err(&path, e.to_string()))
+}
+
+/// Reads a Hugging Face folder: GPT-2's (`config.json`, `model.safetensors`) or, where
+/// `config.json`'s `model_type` is `"llama"`, `LlamaForCausalLM`'s (the weights whole or
+/// sharded with an index, [`llama::read_weights`]); optionally `tokenizer.json`. The
+/// configuration is checked against what kiln computes and every tensor mapped to kiln's
+/// layout. Errors name the file and, for tensors, the tensor.
 pub fn load_hf_dir(dir: &Path) -> Result<HfModel> {
     if !dir.is_dir() {
         return Err(file_err(dir, "no such folder"));
     }
-    let hf_config = read_hf_config(dir)?;
     let config_path = dir.join(HF_CONFIG_FILE);
-    let config = hf_config
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|e| file_err(&config_path, e.to_string()))?;
+    let hf_config: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| file_err(&config_path, format!("not JSON: {e}")))?;
+    let tok = dir.join(HF_TOKENIZER_FILE);
+    let tokenizer = tok.is_file().then_some(tok);
+    if hf_config.get("model_type").and_then(|t| t.as_str()) == Some("llama") {
+        let config = llama::read_llama_config(dir)?
+            .to_gpt()
+            .map_err(|e| file_err(&config_path, e.to_string()))?;
+        let tensors = llama::read_weights(dir)?;
+        let params =
+            llama::from_llama(&config, &tensors).map_err(|e| file_err(dir, e.to_string()))?;
+        return Ok(HfModel {
+            config,
+            hf_config,
+            params,
+            tokenizer,
+        });
+    }
+    let config = read_hf_config(dir)?
         .to_gpt()
         .map_err(|e| file_err(&config_path, e.to_string()))?;
     let weights = dir.join(HF_WEIGHTS_FILE);
     let tensors = read_safetensors(&weights)?;
     let params = from_hf(&config, &tensors).map_err(|e| file_err(&weights, e.to_string()))?;
-    let tok = dir.join(HF_TOKENIZER_FILE);
     Ok(HfModel {
         config,
         hf_config,
         params,
-        tokenizer: tok.is_file().then_some(tok),
+        tokenizer,
     })
 }
 
 /// Writes kiln's whole parameters of `cfg` (see [`to_hf`]) as a Hugging Face GPT-2 folder:
 /// `model.safetensors` (f32, `transformer.`-prefixed names, no `lm_head.weight`: it is tied),
 /// `config.json`, and `tokenizer.json` copied from `tokenizer` when given. `eot` is the
-/// tokenizer's end-of-text token. Creates `dir`; returns the files written.
+/// tokenizer's end-of-text token. Creates `dir`; returns the files written. A model in the
+/// Llama layout is written as a `LlamaForCausalLM` folder instead
+/// ([`llama::save_llama_dir`], shards above 5 GB).
 pub fn save_hf_dir(
     dir: &Path,
     cfg: &GptConfig,
@@ -600,6 +644,10 @@ pub fn save_hf_dir(
     tokenizer: Option<&Path>,
     eot: Option<u32>,
 ) -> Result<Vec<PathBuf>> {
+    if llama::llama_layout(cfg).is_ok() {
+        let max = llama::DEFAULT_MAX_SHARD_BYTES;
+        return llama::save_llama_dir(dir, cfg, params, tokenizer, eot, max);
+    }
     let tensors = to_hf(cfg, params)?;
     std::fs::create_dir_all(dir).map_err(|e| file_err(dir, e.to_string()))?;
     let weights = dir.join(HF_WEIGHTS_FILE);

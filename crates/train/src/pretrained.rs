@@ -220,6 +220,41 @@ fn architecture_diff(a: &GptConfig, b: &GptConfig) -> Vec<String> {
         a.layer_norm_eps.to_string(),
         b.layer_norm_eps.to_string(),
     );
+    cmp(
+        "n_kv_heads",
+        a.kv_heads().to_string(),
+        b.kv_heads().to_string(),
+    );
+    cmp(
+        "ffn_hidden_size",
+        a.d_ff().to_string(),
+        b.d_ff().to_string(),
+    );
+    cmp("norm", format!("{:?}", a.norm), format!("{:?}", b.norm));
+    cmp(
+        "positions",
+        format!("{:?}", a.positions),
+        format!("{:?}", b.positions),
+    );
+    if a.positions == kiln_model::PositionKind::Rotary {
+        cmp(
+            "rope_theta",
+            a.rope_theta.to_string(),
+            b.rope_theta.to_string(),
+        );
+        cmp(
+            "rope_scaling",
+            format!("{:?}", a.rope_scaling),
+            format!("{:?}", b.rope_scaling),
+        );
+    }
+    cmp("mlp", format!("{:?}", a.mlp), format!("{:?}", b.mlp));
+    cmp("bias", a.bias.to_string(), b.bias.to_string());
+    cmp(
+        "tied_embeddings",
+        a.tied_embeddings.to_string(),
+        b.tied_embeddings.to_string(),
+    );
     d
 }
 

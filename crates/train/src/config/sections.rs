@@ -30,6 +30,16 @@ pub struct ModelSection {
     pub n_layers: Option<usize>,
     /// Overrides the preset's number of heads.
     pub n_heads: Option<usize>,
+    /// Overrides the preset's key/value heads (grouped-query attention).
+    pub n_kv_heads: Option<usize>,
+    /// Overrides the preset's MLP width.
+    pub ffn_hidden_size: Option<usize>,
+    /// Overrides the preset's rotary base.
+    pub rope_theta: Option<f64>,
+    /// Overrides the preset's norm epsilon.
+    pub norm_eps: Option<f64>,
+    /// Overrides whether the preset's LM head is the token embedding.
+    pub tied_embeddings: Option<bool>,
     /// Starts from trained weights instead of the seeded initialisation: a kiln checkpoint
     /// folder (any dp, tp and ZeRO stage; its newest step, or a `step-NNNNNNNN` folder) or a
     /// Hugging Face GPT-2 folder (`config.json` + `model.safetensors`). Only the weights are
@@ -51,6 +61,11 @@ impl Default for ModelSection {
             d_model: None,
             n_layers: None,
             n_heads: None,
+            n_kv_heads: None,
+            ffn_hidden_size: None,
+            rope_theta: None,
+            norm_eps: None,
+            tied_embeddings: None,
             init_from: None,
             lora: None,
         }
@@ -76,6 +91,21 @@ impl ModelSection {
         }
         if let Some(v) = self.n_heads {
             c.n_heads = v;
+        }
+        if let Some(v) = self.n_kv_heads {
+            c.n_kv_heads = Some(v);
+        }
+        if let Some(v) = self.ffn_hidden_size {
+            c.ffn_hidden_size = Some(v);
+        }
+        if let Some(v) = self.rope_theta {
+            c.rope_theta = v;
+        }
+        if let Some(v) = self.norm_eps {
+            c.layer_norm_eps = v;
+        }
+        if let Some(v) = self.tied_embeddings {
+            c.tied_embeddings = v;
         }
         Ok(c)
     }
