@@ -164,14 +164,16 @@ fn scratch_crate(snippets: &[String]) -> Result<(PathBuf, PathBuf)> {
     Ok((root, app))
 }
 
-/// The `[profile.release]` table of a manifest, header included (empty when it has none).
+/// The `[profile.release]` table of a manifest and its per-package tables
+/// (`[profile.release.package."*"]`), headers included (empty when it has none).
 fn release_profile(manifest: &str) -> String {
     let mut out = String::new();
     let mut inside = false;
     for line in manifest.lines() {
         let header = line.trim_start().starts_with('[');
         if header {
-            inside = line.trim() == "[profile.release]";
+            let h = line.trim();
+            inside = h == "[profile.release]" || h.starts_with("[profile.release.package.");
         }
         if inside {
             out.push_str(line);
@@ -282,9 +284,10 @@ fn rust_blocks_are_found_and_wrapped() {
         Some(6.25)
     );
     assert!(validation_loss("validation loss None at 480 tokens/s").is_err());
-    let manifest = "[package]\nname = \"x\"\n\n[profile.release]\ndebug = 1\n\n[profile.dev]\n";
+    let manifest = "[package]\nname = \"x\"\n\n[profile.release]\ndebug = 1\n\n\
+                    [profile.release.package.\"*\"]\ndebug = false\n\n[profile.dev]\n";
     assert_eq!(
         release_profile(manifest),
-        "[profile.release]\ndebug = 1\n\n"
+        "[profile.release]\ndebug = 1\n\n[profile.release.package.\"*\"]\ndebug = false\n\n"
     );
 }
