@@ -434,10 +434,24 @@ impl GptConfig {
     /// assert!(GptConfig::llama_cpu().describe().starts_with("Llama architecture (RMSNorm"));
     /// ```
     pub fn describe(&self) -> String {
-        if self.is_gpt_layout() {
+        let gpt = GptConfig::new(1, 1, 1, 1, 1);
+        let same = |a: &GptConfig| {
+            (a.norm, a.positions, a.mlp, a.bias, a.tied_embeddings)
+                == (
+                    gpt.norm,
+                    gpt.positions,
+                    gpt.mlp,
+                    gpt.bias,
+                    gpt.tied_embeddings,
+                )
+        };
+        if same(self) && !self.grouped_query() {
             return "GPT-3 architecture".into();
         }
-        let llama = self.is_llama_layout();
+        let llama = self.norm == NormKind::RmsNorm
+            && self.positions == PositionKind::Rotary
+            && self.mlp == MlpKind::SwiGlu
+            && !self.bias;
         let mut parts = vec![
             match self.norm {
                 NormKind::LayerNorm => "LayerNorm",
@@ -470,26 +484,6 @@ impl GptConfig {
         }
         let family = if llama { "Llama" } else { "decoder" };
         format!("{family} architecture ({})", parts.join(", "))
-    }
-
-    /// GPT's choices throughout: LayerNorm, learned positions, GELU, as many key/value heads
-    /// as query heads, biases, a tied head (what Hugging Face's GPT-2 layout holds).
-    pub fn is_gpt_layout(&self) -> bool {
-        self.norm == NormKind::LayerNorm
-            && self.positions == PositionKind::Learned
-            && self.mlp == MlpKind::Gelu
-            && self.bias
-            && self.tied_embeddings
-            && !self.grouped_query()
-    }
-
-    /// The Llama family's choices: RMSNorm, rotary positions, SwiGLU, no biases (any number
-    /// of key/value heads, tied or untied head; what `LlamaForCausalLM` holds).
-    pub fn is_llama_layout(&self) -> bool {
-        self.norm == NormKind::RmsNorm
-            && self.positions == PositionKind::Rotary
-            && self.mlp == MlpKind::SwiGlu
-            && !self.bias
     }
 
     /// Key/value heads: [`GptConfig::n_kv_heads`], or `n_heads` when unset.
