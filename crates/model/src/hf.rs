@@ -321,10 +321,10 @@ pub(crate) fn to_f32(name: &str, t: &TensorData) -> Result<Vec<f32>> {
 /// `cfg` has GPT-2's layout (LayerNorm, learned positions, GELU, multi-head attention, biases,
 /// a tied head), or an error naming its architecture.
 fn gpt2_layout(cfg: &GptConfig) -> Result<()> {
-    let arch = cfg.describe();
-    if arch == "GPT-3 architecture" {
+    if cfg.is_gpt_layout() {
         return Ok(());
     }
+    let arch = cfg.describe();
     Err(ModelError::Config {
         field: "architecture",
         reason: format!(

@@ -23,7 +23,7 @@
 
 use super::{file_err, read_safetensors, tensor_err, to_f32, write_atomic, write_safetensors};
 use super::{HF_CONFIG_FILE, HF_TOKENIZER_FILE, HF_WEIGHTS_FILE};
-use crate::config::{GptConfig, MlpKind, NormKind, PositionKind};
+use crate::config::GptConfig;
 use crate::error::{ModelError, Result};
 use crate::ops::Llama3Scaling;
 use kiln_state::TensorData;
@@ -116,10 +116,7 @@ fn default_act() -> String {
 /// `cfg` has the Llama layout (RMSNorm, rotary positions, SwiGLU, no biases), or an error
 /// naming its architecture.
 pub fn llama_layout(cfg: &GptConfig) -> Result<()> {
-    let ok = cfg.norm == NormKind::RmsNorm
-        && cfg.positions == PositionKind::Rotary
-        && cfg.mlp == MlpKind::SwiGlu
-        && !cfg.bias;
+    let ok = cfg.is_llama_layout();
     if ok {
         return Ok(());
     }
