@@ -1,7 +1,8 @@
 //! Preference learning: the DPO loss and its gradient against the closed form, per-sequence
 //! log-probabilities against an f64 log-softmax, DPO under tensor parallelism against tp = 1,
 //! DPO that resumes bitwise, and DPO and the reward model raising preference
-//! accuracy on held-out pairs of the synthetic "repeat the last word" set.
+//! accuracy on held-out pairs of the synthetic "repeat the last word" set. DPO under tensor
+//! parallelism, DPO's and the reward model's learning run on a grouped-query Llama too.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -116,15 +117,19 @@ fn sequence_log_probs_equal_an_f64_log_softmax() {
 /// Trains with DPO for `steps` steps on `dp` thread ranks (4 pairs per rank per step) and
 /// returns, per rank, held-out statistics before and after and the first and last training
 /// statistics.
-fn dpo_run(steps: u64, dp: usize, lr: f32) -> (DpoStats, DpoStats, DpoStats, DpoStats) {
-    let cfg = GptConfig::tiny();
+fn dpo_run(
+    cfg: &GptConfig,
+    steps: u64,
+    dp: usize,
+    lr: f32,
+) -> (DpoStats, DpoStats, DpoStats, DpoStats) {
     let train = last_word_pairs(2048, 16, 4, 10).unwrap();
     let held_out = last_word_pairs(256, 16, 4, 20).unwrap();
     let outs = run_ranks(dp, |comm: ThreadComm| {
         let world: Arc<dyn Communicator> = Arc::new(comm);
-        let mut reference = Gpt::new(&cfg, &opts(1))?;
+        let mut reference = Gpt::new(cfg, &opts(1))?;
         reference.freeze(|_| true);
-        let policy = Gpt::new(&cfg, &opts(1))?;
+        let policy = Gpt::new(cfg, &opts(1))?;
         let dpo = DpoObjective::new(&policy, DpoConfig::default())?;
         let hrefs: Vec<&PreferencePair> = held_out.iter().collect();
         let hb = preference_batch(&hrefs, CTX, &Device::Cpu)?;
@@ -160,10 +165,23 @@ fn dpo_run(steps: u64, dp: usize, lr: f32) -> (DpoStats, DpoStats, DpoStats, Dpo
 
 #[test]
 fn dpo_raises_preference_accuracy_in_100_steps() {
-    let (before, after, first, last) = dpo_run(100, 2, 3e-3);
+    dpo_learns(&GptConfig::tiny(), 100, 3e-3);
+}
+
+#[test]
+fn dpo_on_a_llama_raises_preference_accuracy_in_200_steps() {
+    // the tiny Llama needs a lower rate than the tiny GPT on this set: at 3e-3 it stalls near
+    // 60% (margin 0.1); at 1e-3 it is at 78% after 100 steps and 94.5% after 200
+    dpo_learns(&GptConfig::llama_tiny(), 200, 1e-3);
+}
+
+/// `steps` DPO steps at dp = 2: held-out reward and policy accuracy from a tie to over 90%.
+fn dpo_learns(cfg: &GptConfig, steps: u64, lr: f32) {
+    let (before, after, first, last) = dpo_run(cfg, steps, 2, lr);
     println!(
-        "DPO, 100 steps at dp=2, 256 held-out pairs: reward accuracy {:.1}% -> {:.1}%, policy \
+        "{}: DPO, {steps} steps at dp=2, 256 held-out pairs: reward accuracy {:.1}% -> {:.1}%, policy \
          accuracy {:.1}% -> {:.1}%, margin {:.3} -> {:.3}; training loss {:.4} -> {:.4}",
+        cfg.describe(),
         100.0 * before.reward_accuracy(),
         100.0 * after.reward_accuracy(),
         100.0 * before.policy_accuracy(),
@@ -187,12 +205,17 @@ fn dpo_raises_preference_accuracy_in_100_steps() {
 
 #[test]
 fn dpo_under_tensor_parallelism_equals_tp1() {
-    let cfg = GptConfig::tiny();
+    dpo_tp_equals_tp1(&GptConfig::tiny());
+    dpo_tp_equals_tp1(&GptConfig::llama_tiny());
+}
+
+/// DPO's loss, logits and every gradient at tp = 2 (with recomputation) within 1e-5 of tp = 1.
+fn dpo_tp_equals_tp1(cfg: &GptConfig) {
     let pairs = last_word_pairs(4, 16, 4, 7).unwrap();
     let refs: Vec<&PreferencePair> = pairs.iter().collect();
     let b = preference_batch(&refs, CTX, &Device::Cpu).unwrap();
     // a reference that differs from the policy, so the margins are not zero
-    let reference = Gpt::new(&cfg, &opts(8)).unwrap();
+    let reference = Gpt::new(cfg, &opts(8)).unwrap();
     let ref_lp = model_log_probs(&reference, &b.inputs, &b.targets).unwrap();
     let mb = DpoObjective::micro_batch(&b, &ref_lp).unwrap();
     let run = |model: &Gpt| -> anyhow::Result<Run> {
@@ -220,7 +243,7 @@ fn dpo_under_tensor_parallelism_equals_tp1() {
         let logits = model.forward(&b.inputs)?.flatten_all()?.to_vec1::<f32>()?;
         Ok((out.loss.to_scalar::<f32>()?, g, logits))
     };
-    let dense = Gpt::new(&cfg, &opts(4)).unwrap();
+    let dense = Gpt::new(cfg, &opts(4)).unwrap();
     let (loss1, grads1, logits1) = run(&dense).unwrap();
     let splits: std::collections::HashMap<_, _> = dense.param_splits().into_iter().collect();
     let shapes: std::collections::HashMap<String, Vec<usize>> = dense
@@ -230,7 +253,7 @@ fn dpo_under_tensor_parallelism_equals_tp1() {
         .collect();
     run_ranks(2, |comm: ThreadComm| {
         let tp: Arc<dyn Communicator> = Arc::new(comm);
-        let model = Gpt::tensor_parallel(&cfg, &opts(4), tp.clone())?;
+        let model = Gpt::tensor_parallel(cfg, &opts(4), tp.clone())?;
         let (loss, grads, logits) = run(&model)?;
         assert!(
             (loss - loss1).abs() <= 1e-5 * loss1.abs(),
@@ -248,7 +271,10 @@ fn dpo_under_tensor_parallelism_equals_tp1() {
         }
         Ok(())
     });
-    println!("DPO at tp=2 with activation recompute: loss {loss1} and every gradient as tp=1");
+    println!(
+        "{}: DPO at tp=2 with activation recompute: loss {loss1} and every gradient as tp=1",
+        cfg.describe()
+    );
 }
 
 #[test]
@@ -324,14 +350,23 @@ fn dpo_resumes_bitwise() {
 
 #[test]
 fn the_reward_model_learns_the_preference() {
-    let cfg = GptConfig::tiny();
+    reward_model_learns(&GptConfig::tiny());
+}
+
+#[test]
+fn a_llama_reward_model_learns_the_preference() {
+    reward_model_learns(&GptConfig::llama_tiny());
+}
+
+/// 100 Bradley-Terry steps at dp = 2: held-out accuracy from chance to over 90%.
+fn reward_model_learns(cfg: &GptConfig) {
     let train = last_word_pairs(2048, 16, 4, 30).unwrap();
     let held_out = last_word_pairs(256, 16, 4, 40).unwrap();
     let hrefs: Vec<&PreferencePair> = held_out.iter().collect();
     let hb = preference_batch(&hrefs, CTX, &Device::Cpu).unwrap();
     let outs = run_ranks(2, |comm: ThreadComm| {
         let world: Arc<dyn Communicator> = Arc::new(comm);
-        let rm = RewardModel::new(Gpt::new(&cfg, &opts(1))?, 1)?;
+        let rm = RewardModel::new(Gpt::new(cfg, &opts(1))?, 1)?;
         let before = rm.evaluate(&hb)?;
         let dpc = DataParallelConfig {
             max_grad_norm: Some(1.0),
@@ -354,8 +389,9 @@ fn the_reward_model_learns_the_preference() {
     });
     let (before, after, last) = outs[0];
     println!(
-        "reward model, 100 steps at dp=2, 256 held-out pairs: accuracy {:.1}% -> {:.1}%, \
+        "{}: reward model, 100 steps at dp=2, 256 held-out pairs: accuracy {:.1}% -> {:.1}%, \
          Bradley-Terry loss {:.4} -> {:.4} (last training batch {:.4})",
+        cfg.describe(),
         100.0 * before.accuracy(),
         100.0 * after.accuracy(),
         before.mean_loss(),

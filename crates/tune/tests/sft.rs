@@ -1,7 +1,7 @@
 //! Instruction fine-tuning: the loss counts the response tokens only (its gradient equals an
 //! f64 log-softmax over the response positions alone), the example order resumes and reshards
 //! exactly, bad examples are refused by name, and a model fine-tuned on a synthetic instruction
-//! set answers held-out prompts of the same kind far better than before.
+//! set answers held-out prompts of the same kind far better than before; on GPT and on Llama.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use candle_core::{DType, Device, Tensor};
@@ -26,11 +26,16 @@ fn sft_options(seed: u64) -> GptOptions {
 
 #[test]
 fn the_loss_and_its_gradient_count_response_tokens_only() {
-    let cfg = GptConfig::tiny();
+    for cfg in [GptConfig::tiny(), GptConfig::llama_tiny()] {
+        response_only_loss_equals_its_reference(&cfg);
+    }
+}
+
+fn response_only_loss_equals_its_reference(cfg: &GptConfig) {
     let opts = sft_options(3)
         .with_param_dtype(DType::F64)
         .with_compute_dtype(DType::F64);
-    let model = Gpt::new(&cfg, &opts).unwrap();
+    let model = Gpt::new(cfg, &opts).unwrap();
     let examples = reverse_examples(4, 16, 5, 1).unwrap();
     let refs: Vec<&Example> = examples.iter().collect();
     let b = sft_batch(&refs, 16, &Device::Cpu).unwrap();
@@ -112,7 +117,10 @@ fn the_loss_and_its_gradient_count_response_tokens_only() {
         .to_scalar::<f64>()
         .unwrap();
     assert!((other - a).abs() > 1e-3);
-    println!("masked SFT loss {a:.6} = response-only f64 reference; gradients within {worst:.1e}");
+    println!(
+        "{}: masked SFT loss {a:.6} = response-only f64 reference; gradients within {worst:.1e}",
+        cfg.describe()
+    );
 }
 
 #[test]
@@ -181,14 +189,24 @@ fn the_example_order_resumes_and_reshards() {
 
 #[test]
 fn fine_tuning_answers_held_out_prompts_better() {
-    let cfg = GptConfig::tiny();
+    fine_tuning_improves(&GptConfig::tiny());
+}
+
+#[test]
+fn fine_tuning_a_llama_answers_held_out_prompts_better() {
+    fine_tuning_improves(&GptConfig::llama_tiny());
+}
+
+/// 150 SFT steps at dp = 2 on the "reverse 4 words" set: exact match on held-out prompts from
+/// under 1% to over 50%, token accuracy over 80%, the response loss cut by more than 3x.
+fn fine_tuning_improves(cfg: &GptConfig) {
     let (words, len, ctx) = (16u32, 4usize, 16usize);
     let train = reverse_examples(4096, words, len, 100).unwrap();
     let held_out = reverse_examples(256, words, len, 200).unwrap();
     let steps = 150u64;
     let outs = run_ranks(2, |comm: ThreadComm| {
         let dp: Arc<dyn Communicator> = Arc::new(comm);
-        let model = Gpt::new(&cfg, &sft_options(1))?;
+        let model = Gpt::new(cfg, &sft_options(1))?;
         let before = answer_quality(&model, &held_out, ctx)?;
         let dpc = DataParallelConfig {
             max_grad_norm: Some(1.0),
@@ -212,8 +230,9 @@ fn fine_tuning_answers_held_out_prompts_better() {
     });
     let (before, after, losses) = &outs[0];
     println!(
-        "reverse 4 words, 256 held-out prompts: exact match {:.1}% -> {:.1}%, token accuracy \
+        "{}, reverse 4 words, 256 held-out prompts: exact match {:.1}% -> {:.1}%, token accuracy \
          {:.1}% -> {:.1}%, response loss {:.3} -> {:.3} (train loss {:.3} -> {:.3})",
+        cfg.describe(),
         100.0 * before.exact_match,
         100.0 * after.exact_match,
         100.0 * before.token_accuracy,
