@@ -4,6 +4,7 @@
 //! `small_cpu` with 8 blocks, since 4 ranks of 2 chunks are 8 model stages); dp 2 x pp 2 with ZeRO-1 and
 //! dp 2 x tp 2 x pp 2 equal their one-stage layouts; dp 2 x tp 2 x pp 2 in fp16 with loss
 //! scaling tracks one rank, and an overflow injected on one stage skips the step on every rank.
+//! The Llama architecture (untied head) equals its one-stage layout bitwise the same way.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -278,5 +279,45 @@ fn fp16_pipeline_with_loss_scaling_tracks_one_rank() {
         want[0].losses[4] < want[0].losses[0],
         "the one-rank run did not train: {:?}",
         want[0].losses
+    );
+}
+
+/// The Llama architecture (`llama_cpu`: RMSNorm, rotary, SwiGLU, 8 query heads sharing 2
+/// key/value heads, an untied head owned by the last stage alone) through the pipeline: 1F1B
+/// and ZB-H1 at pp = 2 and 4, GPipe at pp = 2, and dp 2 x tp 2 x pp 2 with ZeRO-1, each bitwise
+/// its one-stage layout.
+#[test]
+fn a_llama_pipeline_equals_one_stage() {
+    let cfg = GptConfig::llama_cpu();
+    let reference = run(
+        &cfg,
+        base(1, ScheduleKind::OneFOneB),
+        dpc(ZeroStage::Replicated),
+        None,
+    );
+    let mut checked = Vec::new();
+    for (kind, pp) in [
+        (ScheduleKind::GPipe, 2),
+        (ScheduleKind::OneFOneB, 2),
+        (ScheduleKind::OneFOneB, 4),
+        (ScheduleKind::ZbH1, 4),
+    ] {
+        let got = run(&cfg, base(pp, kind), dpc(ZeroStage::Replicated), None);
+        assert_bitwise(&format!("llama {kind} pp={pp}"), &got, &reference);
+        checked.push(format!("{kind} pp={pp}"));
+    }
+    let one = PipeRun {
+        dp: 2,
+        tp: 2,
+        ..base(1, ScheduleKind::OneFOneB)
+    };
+    let want = run(&cfg, one, dpc(ZeroStage::Zero1), None);
+    let got = run(&cfg, PipeRun { pp: 2, ..one }, dpc(ZeroStage::Zero1), None);
+    assert_bitwise("llama dp2 x tp2 x pp2 ZeRO-1", &got, &want);
+    checked.push("dp2 x tp2 x pp2 ZeRO-1".into());
+    println!(
+        "llama_cpu bitwise equal to one stage over 5 steps (losses {:?}): {}",
+        reference[0].losses,
+        checked.join(", ")
     );
 }

@@ -6,7 +6,8 @@
 //! checkpoint (saved at dp=2 x tp=2, ZeRO-1) as a `LlamaForCausalLM` folder, from which an
 //! independent numpy Llama (`scripts/llama_numpy_forward.py`) computes the logits kiln computes
 //! from the checkpoint within 1e-5, and `kiln import-hf` trains on from that folder at tp=4
-//! (each key/value head replicated on 2 ranks), starting at the trained model's loss.
+//! (each key/value head replicated on 2 ranks), starting at the trained model's loss, and at
+//! tp=2 x pp=2, whose checkpoint is exported and checked by numpy the same way.
 //!
 //! Needs the `train_llama` example and the `kiln` command (`cargo test --workspace --release`
 //! builds both; `KILN_TRAIN_LLAMA` and `KILN_BIN` name others) and python3 with numpy for the
@@ -128,5 +129,48 @@ fn train_llama_learns_more_than_token_frequencies() {
     assert!(
         first[0].1 < 7.0,
         "the import did not start from the trained weights: {first:?}"
+    );
+
+    // a pipeline-parallel checkpoint goes out too: import at tp=2 x pp=2, train 2 steps, save,
+    // export, and numpy reads the folder to the checkpoint's logits
+    let piped = out.join("import-pp");
+    let mut cmd = command(&kiln());
+    cmd.arg("import-hf")
+        .arg(&export)
+        .args([
+            "--run",
+            "train_llama",
+            "--dp",
+            "1",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+        ])
+        .args(["--steps", "2", "--ckpt_every", "2", "--eval_every", "0"])
+        .args(["--metrics.tensorboard", "false", "--metrics.png", "false"])
+        .arg("--out")
+        .arg(&piped);
+    let printed = stdout_of("kiln import-hf --pp 2", cmd.output().unwrap());
+    assert!(printed.contains("dp=1 x tp=2 x pp=2"), "{printed}");
+    let export_pp = out.join("hf-pp");
+    let ex = command(&kiln())
+        .arg("export-hf")
+        .arg(piped.join("checkpoints"))
+        .arg(&export_pp)
+        .output()
+        .unwrap();
+    let printed = stdout_of("kiln export-hf (pp=2)", ex);
+    assert!(printed.contains("LlamaForCausalLM"), "{printed}");
+    assert_ne!(
+        std::fs::read(export.join("model.safetensors")).unwrap(),
+        std::fs::read(export_pp.join("model.safetensors")).unwrap(),
+        "the pp=2 run's 2 steps changed the weights"
+    );
+    common::process::numpy_export_matches(
+        "Llama (tp=2 x pp=2 checkpoint)",
+        "llama_numpy_forward.py",
+        &piped.join("checkpoints"),
+        &export_pp,
     );
 }

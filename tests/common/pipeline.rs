@@ -126,12 +126,18 @@ pub fn train_pipeline_rank(
         .into_iter()
         .filter(|(n, _)| held.contains(n))
         .collect();
-    let emb: Option<Arc<dyn Communicator>> = groups.embedding.map(Arc::from);
+    // a tied head reads the first stage's embedding on the last stage; an untied one (Llama)
+    // shares nothing between stages
+    let (emb, tied): (Option<Arc<dyn Communicator>>, &[&str]) = if cfg.tied_embeddings {
+        (groups.embedding.map(Arc::from), &["wte"])
+    } else {
+        (None, &[])
+    };
     let mut engine = DataParallel::new(&lists, &*groups.dp, dpc)?
         .with_world(world.clone())
         .with_param_splits(&splits)?
         .with_tensor_parallel(tp_comm)
-        .with_pipeline(Arc::from(groups.pp), emb, &["wte"])?;
+        .with_pipeline(Arc::from(groups.pp), emb, tied)?;
     let mut scaler: Box<dyn LossScaler> = if fp16 {
         Box::new(DynamicLossScaler::new(Default::default())?)
     } else {

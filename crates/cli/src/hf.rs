@@ -173,11 +173,16 @@ impl ImportArgs {
             ),
         }
         println!(
-            "training it {} steps on {:?} as dp={} x tp={} (ZeRO-{}), outputs in {}",
+            "training it {} steps on {:?} as dp={} x tp={}{} (ZeRO-{}), outputs in {}",
             cfg.train.steps,
             cfg.data.corpora,
             cfg.parallel.dp,
             cfg.parallel.tp,
+            if cfg.parallel.pp > 1 {
+                format!(" x pp={}", cfg.parallel.pp)
+            } else {
+                String::new()
+            },
             cfg.parallel.zero.number(),
             cfg.output_dir.display()
         );
