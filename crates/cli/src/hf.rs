@@ -138,6 +138,9 @@ impl ImportArgs {
                 ("norm_eps", gpt.layer_norm_eps.to_string()),
                 ("tied_embeddings", gpt.tied_embeddings.to_string()),
             ]);
+            if let Some(scaling) = &gpt.rope_scaling {
+                sizes.push(("rope_scaling", serde_json::to_string(scaling)?));
+            }
         }
         for (k, v) in sizes {
             flags.push(format!("--model.{k}"));

@@ -6,7 +6,7 @@
 //!   exactly what the `train_gpt` example runs and prints ([`train`]);
 //! - `kiln launch --nproc-per-node N -- PROGRAM ...` and `kiln supervise -- PROGRAM ...`:
 //!   kiln-launch's local launcher and restart supervisor ([`launch`]);
-//! - `kiln export-hf` and `kiln import-hf`: a checkpoint to a Hugging Face GPT-2 folder and back
+//! - `kiln export-hf` and `kiln import-hf`: a checkpoint to a Hugging Face GPT-2 or Llama folder and back
 //!   into a run ([`hf`]);
 //! - `kiln sample` and `kiln evaluate`: text from a trained model, and its loss on a text
 //!   ([`sample`], [`evaluate`], sharing [`model_args`]);
@@ -69,9 +69,9 @@ pub enum Command {
     /// Run a training command and restart it with --resume when it crashes (torchrun's
     /// --max-restarts)
     Supervise(launch::SuperviseArgs),
-    /// Write a kiln checkpoint as a Hugging Face GPT-2 folder
+    /// Write a kiln checkpoint as a Hugging Face GPT-2 or Llama folder
     ExportHf(hf::ExportArgs),
-    /// Start a training run from a Hugging Face GPT-2 folder's weights
+    /// Start a training run from a Hugging Face GPT-2 or Llama folder's weights
     ImportHf(hf::ImportArgs),
     /// Continue a prompt with a trained model (greedy or top-k sampling)
     Sample(sample::SampleArgs),

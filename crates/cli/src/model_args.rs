@@ -44,7 +44,7 @@ impl ModelArgs {
         if !self.model.exists() {
             bail!(
                 "{}: no such file or folder (give a kiln checkpoint folder, its `latest` file, a \
-                 step-NNNNNNNN folder, or a Hugging Face GPT-2 folder)",
+                 step-NNNNNNNN folder, or a Hugging Face GPT-2 or Llama folder)",
                 self.model.display()
             );
         }

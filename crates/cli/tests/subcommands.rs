@@ -7,7 +7,8 @@
 //! - `kiln export-hf` writes the checkpoint as a GPT-2 folder whose `config.json` has the
 //!   model's sizes and whose tensors are the checkpoint's, value for value;
 //! - `kiln import-hf` starts a run from that folder: its first loss is the trained model's on
-//!   the first batch, below the first loss of the run that started from scratch;
+//!   the first batch, below the first loss of the run that started from scratch; a Llama with
+//!   Llama 3.1's rotary scaling goes out and back in with its `rope_scaling`;
 //! - `kiln sample --greedy --ids` prints the ids `kiln_model::generate` gives in this process;
 //! - `kiln evaluate` prints the cross-entropy a log-softmax in f64 computes here;
 //! - `kiln plan-memory` prints ZeRO's 2 + 2 + 12 bytes per parameter;
@@ -385,6 +386,74 @@ fn import_hf_starts_from_the_folders_weights() {
         imported[0].1 < scratch[0].1 - 0.05,
         "import {imported:?} vs scratch {scratch:?}"
     );
+}
+
+/// A Llama with Llama 3.1's rotary frequency scaling goes out and back in: `kiln train` takes
+/// the scaling as `--model.rope_scaling`, `export-hf` writes it into `config.json` as the
+/// `llama3` rope type, and `import-hf` starts a run from that folder with the same scaling
+/// (the architecture check compares it, so a run without it would be refused).
+#[test]
+fn a_llama_with_rope_scaling_goes_out_and_back_in() {
+    let scaling = r#"{"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":32}"#;
+    let out = tmp("llama-scaled");
+    let mut cmd = kiln();
+    cmd.args(["train", "--run", "tiny", "--preset", "llama_tiny"])
+        .args(["--model.rope_scaling", scaling])
+        .args(["--steps", "2", "--ckpt_every", "2", "--out"])
+        .arg(&out);
+    let printed = ok(quiet(&mut cmd));
+    assert!(printed.contains("Llama architecture"), "{printed}");
+    let export = tmp("llama-scaled-hf");
+    ok(kiln()
+        .arg("export-hf")
+        .arg(out.join("checkpoints"))
+        .arg(&export));
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(export.join("config.json")).unwrap()).unwrap();
+    let rs = &config["rope_scaling"];
+    assert_eq!(rs["rope_type"], "llama3", "{config}");
+    assert_eq!(rs["factor"], 8.0, "{config}");
+    assert_eq!(rs["original_max_position_embeddings"], 32, "{config}");
+    let back = tmp("llama-scaled-import");
+    let mut cmd = kiln();
+    cmd.arg("import-hf")
+        .arg(&export)
+        .args([
+            "--run",
+            "tiny",
+            "--steps",
+            "2",
+            "--ckpt_every",
+            "2",
+            "--out",
+        ])
+        .arg(&back);
+    ok(quiet(&mut cmd));
+    let gpt = Pretrained::load(&back.join("checkpoints")).unwrap().config;
+    assert_eq!(
+        gpt.rope_scaling,
+        Some(serde_json::from_str(scaling).unwrap()),
+        "{gpt:?}"
+    );
+    assert_eq!(losses(&back).len(), 2);
+    // without the scaling the folder's weights do not fit the run's architecture
+    let mut cmd = kiln();
+    cmd.args([
+        "train",
+        "--run",
+        "tiny",
+        "--preset",
+        "llama_tiny",
+        "--steps",
+        "1",
+    ])
+    .arg("--model.init_from")
+    .arg(&export)
+    .arg("--out")
+    .arg(tmp("llama-unscaled"));
+    let o = run(quiet(&mut cmd));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("rope_scaling"), "{err}");
 }
 
 /// The trained model, loaded here.

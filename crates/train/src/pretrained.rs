@@ -1,5 +1,5 @@
 //! Trained models in and out: a kiln checkpoint (any dp, tp and ZeRO stage) or a Hugging Face
-//! GPT-2 folder read as whole parameters, to export, sample from, evaluate, or start a run
+//! GPT-2 or Llama folder read as whole parameters, to export, sample from, evaluate, or start a run
 //! from ([`crate::ModelSection::init_from`]).
 
 use crate::error::{Result, TrainError};
@@ -30,7 +30,7 @@ pub enum PretrainedSource {
         /// The layout it was saved with.
         layout: String,
     },
-    /// A Hugging Face GPT-2 folder.
+    /// A Hugging Face folder (`GPT2LMHeadModel` or `LlamaForCausalLM`).
     HuggingFace {
         /// The folder.
         dir: PathBuf,
@@ -46,7 +46,7 @@ impl std::fmt::Display for PretrainedSource {
                 root.display()
             ),
             PretrainedSource::HuggingFace { dir } => {
-                write!(f, "the Hugging Face GPT-2 folder {}", dir.display())
+                write!(f, "the Hugging Face folder {}", dir.display())
             }
         }
     }
@@ -67,7 +67,7 @@ pub struct Pretrained {
 }
 
 impl Pretrained {
-    /// Reads `path`: a Hugging Face GPT-2 folder (it holds `config.json` and
+    /// Reads `path`: a Hugging Face GPT-2 or Llama folder (it holds `config.json` and
     /// `model.safetensors`), or a kiln checkpoint ([`Pretrained::from_checkpoint`]).
     pub fn load(path: &Path) -> Result<Self> {
         if path.join(HF_CONFIG_FILE).is_file() || path.join(HF_WEIGHTS_FILE).is_file() {
@@ -77,7 +77,7 @@ impl Pretrained {
         }
     }
 
-    /// Reads a Hugging Face GPT-2 folder ([`kiln_model::hf::load_hf_dir`]).
+    /// Reads a Hugging Face GPT-2 or Llama folder ([`kiln_model::hf::load_hf_dir`]).
     pub fn from_hf(dir: &Path) -> Result<Self> {
         let m = hf::load_hf_dir(dir)?;
         Ok(Self {
@@ -270,8 +270,9 @@ fn check_same_architecture(
     Err(TrainError::config(
         "RunConfig.model",
         format!(
-            "{source} has {}: set model.preset and its size overrides (--model.d_model, ...) \
-             to match it",
+            "{source} has {}: set model.preset (a GPT or a Llama preset) and its overrides \
+             (--model.d_model, --model.n_kv_heads, --model.rope_scaling, ...) to match it; \
+             `kiln import-hf` sets them from a Hugging Face folder",
             diff.join(", ")
         ),
     ))

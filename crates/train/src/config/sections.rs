@@ -40,9 +40,13 @@ pub struct ModelSection {
     pub norm_eps: Option<f64>,
     /// Overrides whether the preset's LM head is the token embedding.
     pub tied_embeddings: Option<bool>,
+    /// Llama 3.1-style rotary frequency scaling (`--model.rope_scaling '{"factor": 8.0,
+    /// "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings":
+    /// 8192}'`), as a Hugging Face folder's `rope_scaling` says. None: the preset's.
+    pub rope_scaling: Option<kiln_model::ops::Llama3Scaling>,
     /// Starts from trained weights instead of the seeded initialisation: a kiln checkpoint
     /// folder (any dp, tp and ZeRO stage; its newest step, or a `step-NNNNNNNN` folder) or a
-    /// Hugging Face GPT-2 folder (`config.json` + `model.safetensors`). Only the weights are
+    /// Hugging Face GPT-2 or Llama folder (`config.json` + `model.safetensors`). Only the weights are
     /// read (the optimizer, the data position and the step start afresh, as fine-tuning
     /// does); the architecture above must match theirs. None: a fresh model.
     pub init_from: Option<PathBuf>,
@@ -66,6 +70,7 @@ impl Default for ModelSection {
             rope_theta: None,
             norm_eps: None,
             tied_embeddings: None,
+            rope_scaling: None,
             init_from: None,
             lora: None,
         }
@@ -106,6 +111,9 @@ impl ModelSection {
         }
         if let Some(v) = self.tied_embeddings {
             c.tied_embeddings = v;
+        }
+        if let Some(v) = self.rope_scaling {
+            c.rope_scaling = Some(v);
         }
         Ok(c)
     }
