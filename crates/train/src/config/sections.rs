@@ -46,9 +46,9 @@ pub struct ModelSection {
     pub rope_scaling: Option<kiln_model::ops::Llama3Scaling>,
     /// Starts from trained weights instead of the seeded initialisation: a kiln checkpoint
     /// folder (any dp, tp and ZeRO stage; its newest step, or a `step-NNNNNNNN` folder) or a
-    /// Hugging Face GPT-2 or Llama folder (`config.json` + `model.safetensors`). Only the weights are
-    /// read (the optimizer, the data position and the step start afresh, as fine-tuning
-    /// does); the architecture above must match theirs. None: a fresh model.
+    /// Hugging Face GPT-2 or Llama folder (`config.json` + `model.safetensors`). Only the
+    /// weights are read (the optimizer, the data position and the step start afresh, as
+    /// fine-tuning does); the architecture above must match theirs. None: a fresh model.
     pub init_from: Option<PathBuf>,
     /// Fine-tunes LoRA adapters instead of the whole model (kiln-tune's [`LoraConfig`]): the
     /// base (seeded, or read from `init_from`) is frozen and only the adapters train, so
