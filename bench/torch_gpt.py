@@ -1,5 +1,6 @@
 """PyTorch reference for kiln's GPU throughput: the same GPT (pre-LayerNorm decoder, learned
-positions, tied embeddings, GELU tanh, biases everywhere), AdamW, bf16 autocast, one GPU.
+positions, tied embeddings, GELU tanh, biases everywhere), or a Llama preset's Llama
+(bench/torch_llama.py), AdamW, bf16 autocast, one GPU.
 Prints one JSON line: tokens/s (median of steps 5..), MFU against --peak (H200 dense bf16:
 989e12), with FLOPs per token counted as kiln counts them (6N + 12 L H Q T + the tied head)."""
 import argparse, json, math, statistics, time
@@ -12,6 +13,11 @@ PRESETS = {  # n_layers, d_model, n_heads, n_ctx, vocab (kiln-model's GptConfig 
     "gpt3_small": (12, 768, 12, 2048, 50257),
     "gpt3_medium": (24, 1024, 16, 2048, 50257),
     "small_cpu": (4, 256, 4, 128, 8192),
+}
+# n_layers, d_model, n_heads, n_kv_heads, ffn, n_ctx, vocab, rope_theta
+LLAMA_PRESETS = {
+    "llama_cpu": (4, 256, 8, 2, 704, 128, 8192, 10000.0),
+    "llama3_8b": (32, 4096, 32, 8, 14336, 8192, 128256, 500000.0),
 }
 
 
@@ -49,16 +55,22 @@ class Gpt(nn.Module):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="gpt3_small", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="gpt3_small", choices=sorted(PRESETS | LLAMA_PRESETS))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--peak", type=float, default=989e12)
     p.add_argument("--compile", action="store_true")
     a = p.parse_args()
-    L, d, h, n_ctx, vocab = PRESETS[a.preset]
     torch.manual_seed(0)
-    model = Gpt(L, d, h, n_ctx, vocab).cuda()
+    if a.preset in LLAMA_PRESETS:
+        from torch_llama import Llama
+
+        L, d, h, hkv, ffn, n_ctx, vocab, theta = LLAMA_PRESETS[a.preset]
+        model = Llama(L, d, h, hkv, ffn, max(n_ctx, a.ctx), vocab, rope_theta=theta).cuda()
+    else:
+        L, d, h, n_ctx, vocab = PRESETS[a.preset]
+        model = Gpt(L, d, h, n_ctx, vocab).cuda()
     step_fn = torch.compile(model) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     times = []
@@ -77,7 +89,8 @@ def main():
         times.append(time.perf_counter() - t0)
     med = statistics.median(times[5:])
     tokens = a.batch * a.ctx / med
-    n_non_emb = sum(q.numel() for n, q in model.named_parameters() if not n.startswith(("wte", "wpe")))
+    embeddings = ("wte", "wpe", "embed_tokens", "lm_head")
+    n_non_emb = sum(q.numel() for n, q in model.named_parameters() if not n.startswith(embeddings))
     flops = 6 * n_non_emb + 12 * L * h * (d // h) * a.ctx + 6 * vocab * d
     print(json.dumps({"impl": "pytorch", "torch": torch.__version__, "preset": a.preset,
                       "ctx": a.ctx, "batch": a.batch, "tokens_per_s": round(tokens, 1),

@@ -56,10 +56,13 @@ fn every_benchmark_lists_its_flags() {
             "bench_train",
             env!("CARGO_BIN_EXE_bench_train"),
             &[
+                "--arch",
                 "--preset",
                 "--d-model",
                 "--layers",
                 "--heads",
+                "--kv-heads",
+                "--ffn",
                 "--ctx",
                 "--vocab",
                 "--batch",

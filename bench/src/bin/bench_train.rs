@@ -1,8 +1,9 @@
-//! Training throughput of kiln's step on a GPT, with where the step's time goes; with
-//! `--bare-candle`, the same model trained by a plain candle loop, the baseline kiln's machinery
-//! is measured against.
+//! Training throughput of kiln's step on a GPT or a Llama, with where the step's time goes;
+//! with `--bare-candle`, the same GPT trained by a plain candle loop, the baseline kiln's
+//! machinery is measured against.
 //!
-//! Prints one JSON line: `mode` (`kiln` or `bare_candle`), `tokens_per_s` (global tokens over
+//! Prints one JSON line: `mode` (`kiln` or `bare_candle`), `arch` (`gpt` or `llama`), the
+//! sizes (`kv_heads`: key/value heads; `ffn`: the MLP's hidden width), `tokens_per_s` (global tokens over
 //! the median step time of steps 5 to 25), the median seconds of each part of a step (`data`:
 //! the loader; `forward` and `backward`: the model, recomputation counted as backward;
 //! `grad_sync`: waiting for the gradient collectives after the backward; `optimizer`: unscale,
@@ -16,6 +17,13 @@
 //! 0.9/0.999, weight decay 0.01 on the weight matrices), gradients clipped to a global norm of
 //! 1.0, one rank, batches from the prepared corpus of `data/` (`.cache/kiln-data`, built on
 //! first use).
+//!
+//! `--arch llama` starts from the `llama_cpu` preset instead (RMSNorm, rotary positions,
+//! SwiGLU, 8 query heads sharing 2 key/value heads, no biases, an untied head); `--preset`
+//! takes any preset, GPT or Llama, and the architecture follows it. On a Llama, `--d-model`
+//! without `--ffn` sets the SwiGLU width to Llama's `8 d / 3` rounded up to a multiple of 32
+//! (704 at d 256, as `llama_cpu`), and `--heads` keeps the preset's key/value heads
+//! (`--kv-heads` must divide `--heads`).
 //!
 //! `--bare-candle` trains the same GPT (kiln-model's architecture and sizes from the same flags:
 //! pre-LayerNorm blocks, fused QKV `[3d, d]`, causal softmax attention, 4x GELU-tanh MLP, learned
@@ -35,16 +43,18 @@
 //! ```text
 //! cargo run --release -p kiln-bench --bin bench_train
 //! cargo run --release -p kiln-bench --bin bench_train -- --bare-candle
+//! cargo run --release -p kiln-bench --bin bench_train -- --arch llama
 //! cargo run --release -p kiln-bench --bin bench_train -- --d-model 512 --layers 8 --heads 8 --ctx 256 --batch 4
 //! cargo run --release -p kiln-bench --bin bench_train -- --dtype bf16 --dp 2 --zero 1 --recompute every_block
 //! ```
 //!
-//! Flags: `--preset NAME`, `--d-model N`, `--layers N`, `--heads N`, `--ctx N` (context and
-//! sequence length), `--vocab N`, `--batch N` (global sequences per step), `--dtype
+//! Flags: `--arch gpt|llama`, `--preset NAME`, `--d-model N`, `--layers N`, `--heads N`,
+//! `--kv-heads N` and `--ffn N` (Llama only), `--ctx N` (context and sequence length),
+//! `--vocab N`, `--batch N` (global sequences per step), `--dtype
 //! f32|bf16|f16`, `--dp N`, `--tp N`, `--zero 0..3`, `--recompute
 //! none|every_block|every_<k>|selective|selective_<k>`, `--steps N` (default 25; the median
 //! is over steps 5 to N), `--lr X`, `--bare-candle` (no
-//! value; f32, dp 1, tp 1, ZeRO 0 and no recomputation only), `--sequence-parallel` (no value;
+//! value; the GPT layout, f32, dp 1, tp 1, ZeRO 0 and no recomputation only), `--sequence-parallel` (no value;
 //! Megatron's sequence parallelism when `--tp` is above 1).
 
 // freed activation-sized blocks are kept for the next step instead of page-faulted back in
@@ -59,6 +69,10 @@ use kiln_parallel::{DataParallel, DataParallelConfig, ParallelDims, ZeroStage};
 use kiln_precision::{DynamicLossScaler, DynamicScalerConfig, LossScaler, NoScaler};
 use std::sync::Arc;
 use std::time::Instant;
+
+// a folder beside the binary, not src/bin/bare.rs, which cargo would take for a binary of its own
+#[path = "bench_train/bare.rs"]
+mod bare;
 
 /// The median seconds of each part of a step on one rank.
 #[derive(Debug, Clone, Copy, Default)]
@@ -107,6 +121,7 @@ fn peak_rss_mib() -> f64 {
 /// What one run measured, printed as the JSON line.
 struct Report<'a> {
     mode: &'a str,
+    arch: Arch,
     preset: &'a str,
     cfg: &'a GptConfig,
     params: u64,
@@ -137,12 +152,15 @@ impl Report<'_> {
             kiln_parallel::tp::Bf16Kernel::Fma => "fma",
         };
         format!(
-            "{{\"bench\":\"train\",\"mode\":\"{}\",\"preset\":\"{}\",\"d_model\":{},\"layers\":{},\"heads\":{},\"ctx\":{seq},\"vocab\":{},\"params\":{},\"batch\":{},\"dtype\":\"{}\",\"bf16_kernel\":\"{}\",\"dp\":{},\"tp\":{},\"sequence_parallel\":{},\"zero_stage\":{},\"recompute\":\"{}\",\"steps\":{},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"data_s\":{:.4},\"forward_s\":{:.4},\"backward_s\":{:.4},\"grad_sync_s\":{:.4},\"optimizer_s\":{:.4},\"other_s\":{other:.4},\"peak_rss_mib\":{:.1}}}",
+            "{{\"bench\":\"train\",\"mode\":\"{}\",\"arch\":\"{}\",\"preset\":\"{}\",\"d_model\":{},\"layers\":{},\"heads\":{},\"kv_heads\":{},\"ffn\":{},\"ctx\":{seq},\"vocab\":{},\"params\":{},\"batch\":{},\"dtype\":\"{}\",\"bf16_kernel\":\"{}\",\"dp\":{},\"tp\":{},\"sequence_parallel\":{},\"zero_stage\":{},\"recompute\":\"{}\",\"steps\":{},\"tokens_per_s\":{:.1},\"step_s\":{:.4},\"data_s\":{:.4},\"forward_s\":{:.4},\"backward_s\":{:.4},\"grad_sync_s\":{:.4},\"optimizer_s\":{:.4},\"other_s\":{other:.4},\"peak_rss_mib\":{:.1}}}",
             self.mode,
+            self.arch.name(),
             self.preset,
             self.cfg.d_model,
             self.cfg.n_layers,
             self.cfg.n_heads,
+            self.cfg.kv_heads(),
+            self.cfg.d_ff(),
             self.cfg.vocab_size,
             self.params,
             self.batch,
@@ -166,23 +184,131 @@ impl Report<'_> {
     }
 }
 
+/// The model's architecture, as `--arch` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Arch {
+    /// GPT: LayerNorm, learned positions, GELU, biases, a tied head.
+    Gpt,
+    /// Llama: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases.
+    Llama,
+}
+
+impl Arch {
+    fn name(self) -> &'static str {
+        match self {
+            Arch::Gpt => "gpt",
+            Arch::Llama => "llama",
+        }
+    }
+
+    /// The architecture of a config, if it is one of the two.
+    fn of(cfg: &GptConfig) -> Option<Arch> {
+        if cfg.is_llama_layout() {
+            Some(Arch::Llama)
+        } else if cfg.is_gpt_layout() {
+            Some(Arch::Gpt)
+        } else {
+            None
+        }
+    }
+}
+
+/// Llama's SwiGLU width for `d_model`: `8 d / 3` rounded up to a multiple of 32 (704 at 256,
+/// `llama_cpu`'s; 352 at 128, `llama_tiny`'s).
+fn llama_ffn(d_model: usize) -> usize {
+    (8 * d_model).div_ceil(3).div_ceil(32) * 32
+}
+
+/// The architecture, preset name and validated config the flags ask for.
+fn model_config(args: &Args) -> anyhow::Result<(Arch, String, GptConfig)> {
+    let preset = match (&args.preset, args.arch) {
+        (Some(p), _) => p.clone(),
+        (None, Some(Arch::Llama)) => "llama_cpu".to_string(),
+        (None, _) => "small_cpu".to_string(),
+    };
+    let mut cfg = GptConfig::by_name(&preset)?;
+    let Some(arch) = Arch::of(&cfg) else {
+        anyhow::bail!("--preset {preset} is neither the GPT nor the Llama layout");
+    };
+    if let Some(a) = args.arch.filter(|a| *a != arch) {
+        anyhow::bail!(
+            "--arch {} with --preset {preset}, a {} preset: leave out one of them",
+            a.name(),
+            arch.name()
+        );
+    }
+    if arch == Arch::Gpt {
+        for (flag, v) in [("--kv-heads", args.kv_heads), ("--ffn", args.ffn)] {
+            if v.is_some() {
+                anyhow::bail!(
+                    "{flag} sizes a Llama; the GPT layout has as many key/value heads as query \
+                     heads and a 4 x d_model GELU MLP (pass --arch llama)"
+                );
+            }
+        }
+    }
+    if let Some(v) = args.d_model {
+        cfg.d_model = v;
+        if arch == Arch::Llama {
+            cfg.ffn_hidden_size = Some(llama_ffn(v));
+        }
+    }
+    if let Some(v) = args.layers {
+        cfg.n_layers = v;
+    }
+    if let Some(v) = args.heads {
+        cfg.n_heads = v;
+    }
+    if let Some(v) = args.kv_heads {
+        cfg.n_kv_heads = Some(v);
+    }
+    if let Some(v) = args.ffn {
+        cfg.ffn_hidden_size = Some(v);
+    }
+    if let Some(v) = args.ctx {
+        cfg.n_ctx = v;
+    }
+    if let Some(v) = args.vocab {
+        cfg.vocab_size = v;
+    }
+    cfg.validate().map_err(|e| {
+        anyhow::anyhow!(
+            "{preset} with the size flags: {e} (--d-model {} --heads {} --kv-heads {})",
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.kv_heads()
+        )
+    })?;
+    Ok((arch, preset, cfg))
+}
+
 /// kiln's training step in tokens/s and where its time goes (or, with --bare-candle, a plain
 /// candle loop on the same model); one JSON line.
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "bench_train")]
 struct Args {
-    /// The model preset the sizes start from
-    #[arg(long, value_name = "NAME", default_value = "small_cpu")]
-    preset: String,
+    /// The architecture: gpt (preset small_cpu) or llama (preset llama_cpu)
+    #[arg(long, value_name = "ARCH")]
+    arch: Option<Arch>,
+    /// The model preset the sizes start from (any, GPT or Llama; default small_cpu, or
+    /// llama_cpu with --arch llama)
+    #[arg(long, value_name = "NAME")]
+    preset: Option<String>,
     /// Model width
     #[arg(long, value_name = "N")]
     d_model: Option<usize>,
     /// Blocks
     #[arg(long, value_name = "N")]
     layers: Option<usize>,
-    /// Attention heads
+    /// Attention (query) heads
     #[arg(long, value_name = "N")]
     heads: Option<usize>,
+    /// Key/value heads, dividing --heads (Llama only)
+    #[arg(long, value_name = "N")]
+    kv_heads: Option<usize>,
+    /// The SwiGLU hidden width (Llama only; default 8 d / 3 rounded up to a multiple of 32)
+    #[arg(long, value_name = "N")]
+    ffn: Option<usize>,
     /// Context and sequence length
     #[arg(long, value_name = "N")]
     ctx: Option<usize>,
@@ -224,24 +350,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     let args = <Args as clap::Parser>::parse();
     let (bare_candle, sequence_parallel) = (args.bare_candle, args.sequence_parallel);
-    let preset = args.preset.clone();
-    let mut cfg = GptConfig::by_name(&preset)?;
-    if let Some(v) = args.d_model {
-        cfg.d_model = v;
-    }
-    if let Some(v) = args.layers {
-        cfg.n_layers = v;
-    }
-    if let Some(v) = args.heads {
-        cfg.n_heads = v;
-    }
-    if let Some(v) = args.ctx {
-        cfg.n_ctx = v;
-    }
-    if let Some(v) = args.vocab {
-        cfg.vocab_size = v;
-    }
-    cfg.validate()?;
+    let (arch, preset, cfg) = model_config(&args)?;
     let seq = cfg.n_ctx;
     let global_batch = args.batch;
     let (dp, tp) = (args.dp, args.tp);
@@ -261,6 +370,7 @@ fn main() -> anyhow::Result<()> {
     }
     let report = |mode, params, step_s, parts| Report {
         mode,
+        arch,
         preset: &preset,
         cfg: &cfg,
         params,
@@ -277,6 +387,13 @@ fn main() -> anyhow::Result<()> {
     };
 
     if bare_candle {
+        if !cfg.is_gpt_layout() {
+            anyhow::bail!(
+                "--bare-candle trains the GPT layout only (LayerNorm, learned positions, GELU, \
+                 biases, a tied head), got {} (preset {preset}): leave out --bare-candle",
+                arch.name()
+            );
+        }
         if dtype != candle_core::DType::F32 {
             anyhow::bail!("--bare-candle trains in f32 only, got --dtype {dtype_name}");
         }
@@ -399,347 +516,56 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The `--bare-candle` baseline: kiln-model's GPT written with candle's composite ops and
-/// trained by a plain loop with `candle_nn::AdamW`.
-mod bare {
-    use super::Parts;
-    use candle_core::{DType, Device, Tensor, Var, D};
-    use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+#[cfg(test)]
+mod tests {
+    use super::{llama_ffn, model_config, Arch, Args};
     use kiln_model::GptConfig;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-    use std::time::Instant;
 
-    /// A LayerNorm's gain and shift.
-    struct Norm {
-        weight: Var,
-        bias: Var,
+    fn config(flags: &[&str]) -> anyhow::Result<(Arch, String, GptConfig)> {
+        let argv = std::iter::once("bench_train").chain(flags.iter().copied());
+        model_config(&<Args as clap::Parser>::try_parse_from(argv)?)
     }
 
-    /// `x W^T + b` with `W` `[out, in]`.
-    struct Linear {
-        weight: Var,
-        bias: Var,
+    #[test]
+    fn llama_ffn_is_the_presets_width() {
+        assert_eq!(llama_ffn(256), GptConfig::llama_cpu().d_ff());
+        assert_eq!(llama_ffn(128), GptConfig::llama_tiny().d_ff());
+        assert_eq!(llama_ffn(4096), 10_944); // 8 * 4096 / 3 = 10922.7, up to 32
     }
 
-    /// One pre-LayerNorm block.
-    struct Block {
-        ln_1: Norm,
-        c_attn: Linear,
-        attn_proj: Linear,
-        ln_2: Norm,
-        c_fc: Linear,
-        mlp_proj: Linear,
+    #[test]
+    fn arch_picks_the_default_preset_and_the_size_flags_apply() {
+        let (arch, preset, cfg) = config(&[]).unwrap();
+        assert_eq!(
+            (arch, preset.as_str(), cfg),
+            (Arch::Gpt, "small_cpu", GptConfig::small_cpu())
+        );
+        let (arch, preset, cfg) = config(&["--arch", "llama"]).unwrap();
+        assert_eq!(
+            (arch, preset.as_str(), cfg),
+            (Arch::Llama, "llama_cpu", GptConfig::llama_cpu())
+        );
+        let (arch, _, cfg) = config(&["--preset", "llama_tiny"]).unwrap();
+        assert_eq!((arch, cfg), (Arch::Llama, GptConfig::llama_tiny()));
+        let (_, _, cfg) = config(&["--arch", "llama", "--d-model", "512", "--heads", "4"]).unwrap();
+        assert_eq!(
+            (cfg.d_model, cfg.n_heads, cfg.kv_heads(), cfg.d_ff()),
+            (512, 4, 2, 1376)
+        );
+        let (_, _, cfg) = config(&["--arch", "llama", "--kv-heads", "8", "--ffn", "512"]).unwrap();
+        assert_eq!(
+            (cfg.kv_heads(), cfg.d_ff(), cfg.grouped_query()),
+            (8, 512, false)
+        );
     }
 
-    /// kiln-model's `Gpt` (dense, one rank) with its parameter names, in plain candle.
-    pub struct BareGpt {
-        cfg: GptConfig,
-        wte: Var,
-        wpe: Var,
-        blocks: Vec<Block>,
-        ln_f: Norm,
-        /// `[n_ctx, n_ctx]`: 0 on and below the diagonal, -inf above.
-        causal_mask: Tensor,
-        /// Every parameter with kiln-model's name, in kiln-model's order.
-        params: Vec<(String, Var)>,
-    }
-
-    /// `n` draws of N(0, std) (Box-Muller).
-    fn normal(rng: &mut ChaCha8Rng, n: usize, std: f64) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let u1 = 1.0 - rng.gen::<f64>();
-                let u2 = rng.gen::<f64>();
-                (std * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-            })
-            .collect()
-    }
-
-    enum Fill {
-        Normal,
-        Zeros,
-        Ones,
-    }
-
-    /// Creates the parameters, recording each with its name.
-    struct Builder {
-        rng: ChaCha8Rng,
-        params: Vec<(String, Var)>,
-    }
-
-    impl Builder {
-        fn var(&mut self, name: String, shape: &[usize], fill: Fill) -> candle_core::Result<Var> {
-            let dev = Device::Cpu;
-            let t = match fill {
-                Fill::Normal => {
-                    let n = shape.iter().product();
-                    Tensor::from_vec(normal(&mut self.rng, n, 0.02), shape, &dev)?
-                }
-                Fill::Zeros => Tensor::zeros(shape, DType::F32, &dev)?,
-                Fill::Ones => Tensor::ones(shape, DType::F32, &dev)?,
-            };
-            let v = Var::from_tensor(&t)?;
-            self.params.push((name, v.clone()));
-            Ok(v)
-        }
-
-        fn norm(&mut self, name: &str, d: usize) -> candle_core::Result<Norm> {
-            Ok(Norm {
-                weight: self.var(format!("{name}.weight"), &[d], Fill::Ones)?,
-                bias: self.var(format!("{name}.bias"), &[d], Fill::Zeros)?,
-            })
-        }
-
-        fn linear(&mut self, name: &str, in_f: usize, out_f: usize) -> candle_core::Result<Linear> {
-            Ok(Linear {
-                weight: self.var(format!("{name}.weight"), &[out_f, in_f], Fill::Normal)?,
-                bias: self.var(format!("{name}.bias"), &[out_f], Fill::Zeros)?,
-            })
-        }
-    }
-
-    impl BareGpt {
-        /// The model for `cfg` on the CPU in f32, initialised from `seed`.
-        pub fn new(cfg: &GptConfig, seed: u64) -> candle_core::Result<Self> {
-            let dev = Device::Cpu;
-            let mut pb = Builder {
-                rng: ChaCha8Rng::seed_from_u64(seed),
-                params: Vec::new(),
-            };
-            let (d, f) = (cfg.d_model, cfg.d_ff());
-            let wte = pb.var("wte".into(), &[cfg.vocab_size, d], Fill::Normal)?;
-            let wpe = pb.var("wpe".into(), &[cfg.n_ctx, d], Fill::Normal)?;
-            let mut blocks = Vec::with_capacity(cfg.n_layers);
-            for i in 0..cfg.n_layers {
-                blocks.push(Block {
-                    ln_1: pb.norm(&format!("h.{i}.ln_1"), d)?,
-                    c_attn: pb.linear(&format!("h.{i}.attn.c_attn"), d, 3 * d)?,
-                    attn_proj: pb.linear(&format!("h.{i}.attn.c_proj"), d, d)?,
-                    ln_2: pb.norm(&format!("h.{i}.ln_2"), d)?,
-                    c_fc: pb.linear(&format!("h.{i}.mlp.c_fc"), d, f)?,
-                    mlp_proj: pb.linear(&format!("h.{i}.mlp.c_proj"), f, d)?,
-                });
-            }
-            let ln_f = pb.norm("ln_f", d)?;
-            let t = cfg.n_ctx;
-            let mask: Vec<f32> = (0..t * t)
-                .map(|k| {
-                    if k % t > k / t {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
-                .collect();
-            Ok(Self {
-                cfg: cfg.clone(),
-                wte,
-                wpe,
-                blocks,
-                ln_f,
-                causal_mask: Tensor::from_vec(mask, (t, t), &dev)?,
-                params: pb.params,
-            })
-        }
-
-        /// Every parameter with kiln-model's name.
-        pub fn named_parameters(&self) -> &[(String, Var)] {
-            &self.params
-        }
-
-        /// The number of trainable elements.
-        pub fn num_parameters(&self) -> usize {
-            self.params.iter().map(|(_, v)| v.elem_count()).sum()
-        }
-
-        fn layer_norm(&self, x: &Tensor, n: &Norm) -> candle_core::Result<Tensor> {
-            let mean = x.mean_keepdim(D::Minus1)?;
-            let xc = x.broadcast_sub(&mean)?;
-            let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-            xc.broadcast_div(&(var + self.cfg.layer_norm_eps)?.sqrt()?)?
-                .broadcast_mul(n.weight.as_tensor())?
-                .broadcast_add(n.bias.as_tensor())
-        }
-
-        /// `x` `[rows, in]` to `[rows, out]`.
-        fn linear(x: &Tensor, l: &Linear) -> candle_core::Result<Tensor> {
-            x.matmul(&l.weight.t()?)?.broadcast_add(l.bias.as_tensor())
-        }
-
-        /// Causal multi-head self-attention of `x` `[b * t, d]`.
-        fn attention(
-            &self,
-            x: &Tensor,
-            blk: &Block,
-            b: usize,
-            t: usize,
-        ) -> candle_core::Result<Tensor> {
-            let (d, h) = (self.cfg.d_model, self.cfg.n_heads);
-            let dh = d / h;
-            // [b, t, 3, h, dh] -> [3, b, h, t, dh]
-            let qkv = Self::linear(x, &blk.c_attn)?
-                .reshape((b, t, 3, h, dh))?
-                .permute((2, 0, 3, 1, 4))?
-                .contiguous()?;
-            let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
-            let mask = self.causal_mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-            let scores = (q.matmul(&k.t()?)? * (1.0 / (dh as f64).sqrt()))?.broadcast_add(&mask)?;
-            let y = candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&v)?;
-            let y = y.transpose(1, 2)?.contiguous()?.reshape((b * t, d))?;
-            Self::linear(&y, &blk.attn_proj)
-        }
-
-        /// Mean next-token cross-entropy of `tokens` against `targets` (both `[b, t]`, u32).
-        pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-            let (b, t) = tokens.dims2()?;
-            let d = self.cfg.d_model;
-            let tok = self.wte.index_select(&tokens.flatten_all()?, 0)?;
-            let pos = self.wpe.narrow(0, 0, t)?;
-            let mut x = tok
-                .reshape((b, t, d))?
-                .broadcast_add(&pos)?
-                .reshape((b * t, d))?;
-            for blk in &self.blocks {
-                x = (&x + self.attention(&self.layer_norm(&x, &blk.ln_1)?, blk, b, t)?)?;
-                let hid = Self::linear(&self.layer_norm(&x, &blk.ln_2)?, &blk.c_fc)?.gelu()?;
-                x = (&x + Self::linear(&hid, &blk.mlp_proj)?)?;
-            }
-            let logits = self.layer_norm(&x, &self.ln_f)?.matmul(&self.wte.t()?)?;
-            candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
-        }
-    }
-
-    /// Trains `model` for `steps` steps of `batch` random sequences of `n_ctx` tokens (drawn
-    /// before the first step); the medians of steps 5 to `steps`.
-    pub fn train(
-        model: &BareGpt,
-        batch: usize,
-        steps: usize,
-        lr: f64,
-    ) -> candle_core::Result<Parts> {
-        let (vocab, t) = (model.cfg.vocab_size as u32, model.cfg.n_ctx);
-        let mut rng = ChaCha8Rng::seed_from_u64(2);
-        let batches = (0..steps)
-            .map(|_| {
-                let ids: Vec<u32> = (0..batch * (t + 1))
-                    .map(|_| rng.gen_range(0..vocab))
-                    .collect();
-                let ids = Tensor::from_vec(ids, (batch, t + 1), &Device::Cpu)?;
-                Ok((
-                    ids.narrow(1, 0, t)?.contiguous()?,
-                    ids.narrow(1, 1, t)?.contiguous()?,
-                ))
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let vars: Vec<Var> = model
-            .named_parameters()
-            .iter()
-            .map(|(_, v)| v.clone())
-            .collect();
-        let mut opt = AdamW::new(
-            vars.clone(),
-            ParamsAdamW {
-                lr,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: 0.1,
-            },
-        )?;
-        let max_norm = 1.0f64;
-        let mut rows = Vec::new();
-        for (step, (tokens, targets)) in (1..=steps).zip(&batches) {
-            let t0 = Instant::now();
-            let loss = model.loss(tokens, targets)?;
-            let t_fwd = t0.elapsed().as_secs_f64();
-            let mut grads = loss.backward()?;
-            let t_bwd = t0.elapsed().as_secs_f64();
-            // the global norm, and clipping to max_norm as torch.nn.utils.clip_grad_norm_
-            let sq = vars
-                .iter()
-                .filter_map(|v| grads.get(v).map(|g| g.sqr()?.sum_all()))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let norm = f64::from(Tensor::stack(&sq, 0)?.sum_all()?.to_scalar::<f32>()?).sqrt();
-            if norm > max_norm {
-                let coef = max_norm / (norm + 1e-6);
-                for v in &vars {
-                    if let Some(g) = grads.get(v) {
-                        let g = (g * coef)?;
-                        grads.insert(v, g);
-                    }
-                }
-            }
-            opt.step(&grads)?;
-            let step_s = t0.elapsed().as_secs_f64();
-            if step >= 5 {
-                rows.push(Parts {
-                    step: step_s,
-                    data: 0.0,
-                    forward: t_fwd,
-                    backward: t_bwd - t_fwd,
-                    grad_sync: 0.0,
-                    optimizer: step_s - t_bwd,
-                });
-            }
-        }
-        Ok(Parts::medians(&rows))
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::BareGpt;
-        use candle_core::{Device, Tensor};
-        use kiln_model::{Gpt, GptConfig, GptOptions};
-
-        /// The largest `|x|` of `t`.
-        fn max_abs(t: &Tensor) -> f32 {
-            t.abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-        }
-
-        /// The bare model is kiln-model's function: with kiln's parameters copied in, the same
-        /// loss and the same gradient for every parameter (measured: within ~2e-6 of the
-        /// largest gradient; exact GELU instead of the tanh one differs by ~5e-4).
-        #[test]
-        fn bare_gpt_matches_kiln_loss_and_gradients() {
-            let cfg = GptConfig::tiny();
-            let kiln = Gpt::new(&cfg, &GptOptions::seeded(7)).unwrap();
-            let bare = BareGpt::new(&cfg, 3).unwrap();
-            let kiln_params = kiln.named_parameters();
-            assert_eq!(kiln_params.len(), bare.named_parameters().len());
-            assert_eq!(bare.num_parameters() as u64, cfg.param_count());
-            for ((kn, kv), (bn, bv)) in kiln_params.iter().zip(bare.named_parameters()) {
-                assert_eq!(kn, bn);
-                bv.set(kv.as_tensor()).unwrap();
-            }
-            let (b, t) = (3, cfg.n_ctx);
-            let ids: Vec<u32> = (0..b * (t + 1)).map(|i| (i * 37 % 509) as u32).collect();
-            let ids = Tensor::from_vec(ids, (b, t + 1), &Device::Cpu).unwrap();
-            let tokens = ids.narrow(1, 0, t).unwrap().contiguous().unwrap();
-            let targets = ids.narrow(1, 1, t).unwrap().contiguous().unwrap();
-            let lk = kiln.loss(&tokens, &targets).unwrap();
-            let lb = bare.loss(&tokens, &targets).unwrap();
-            let (fk, fb) = (
-                lk.to_scalar::<f32>().unwrap(),
-                lb.to_scalar::<f32>().unwrap(),
-            );
-            assert!((fk - fb).abs() < 1e-5, "loss kiln {fk} bare {fb}");
-            let (gk, gb) = (lk.backward().unwrap(), lb.backward().unwrap());
-            for ((name, kv), (_, bv)) in kiln_params.iter().zip(bare.named_parameters()) {
-                let a = gk.get(kv).unwrap();
-                let g = gb.get(bv).unwrap();
-                let diff = max_abs(&(a - g).unwrap());
-                let scale = max_abs(a);
-                assert!(
-                    diff <= 2e-5 * scale.max(1e-6),
-                    "{name}: max |kiln - bare| {diff}, max |kiln| {scale}"
-                );
-            }
-        }
+    #[test]
+    fn nonsense_is_refused_naming_the_flags() {
+        let err = |flags: &[&str]| config(flags).unwrap_err().to_string();
+        assert!(err(&["--arch", "gpt", "--kv-heads", "2"]).contains("--kv-heads sizes a Llama"));
+        assert!(err(&["--ffn", "512"]).contains("--ffn sizes a Llama"));
+        assert!(err(&["--arch", "gpt", "--preset", "llama_cpu"]).contains("--arch gpt"));
+        let e = err(&["--arch", "llama", "--heads", "4", "--kv-heads", "3"]);
+        assert!(e.contains("n_kv_heads (3) must divide n_heads (4)"), "{e}");
     }
 }
