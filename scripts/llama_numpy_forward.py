@@ -41,10 +41,13 @@ def rms_norm(x, g, eps):
 
 
 def inv_freq(cfg, dh):
-    base = cfg.get("rope_theta", 10000.0)
+    # transformers 5 writes rope_parameters (theta and scaling together); earlier versions
+    # rope_theta and rope_scaling
+    p = cfg.get("rope_parameters") or {}
+    base = p.get("rope_theta", cfg.get("rope_theta", 10000.0))
     f = 1.0 / base ** (np.arange(0, dh, 2, dtype=np.float64) / dh)
-    s = cfg.get("rope_scaling")
-    if not s:
+    s = p if p else cfg.get("rope_scaling")
+    if not s or s.get("rope_type", s.get("type")) == "default":
         return f
     kind = s.get("rope_type", s.get("type"))
     assert kind == "llama3", f"rope_scaling {kind} is not read here"

@@ -251,3 +251,53 @@ fn folders_that_disagree_with_their_config_are_named() {
         "{e}"
     );
 }
+
+/// `transformers` 5 writes the rotary base and scaling together as `rope_parameters`, with no
+/// top-level `rope_theta` or `rope_scaling` (the `config.json` below is what its
+/// `save_pretrained` wrote for a Llama 3.1-style model); kiln reads both layouts to the same
+/// architecture, and refuses an unsupported type there too.
+#[test]
+fn transformers_5_rope_parameters_are_read() {
+    let v5 = |rope: serde_json::Value| {
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96,
+            "hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+            "tie_word_embeddings": false, "transformers_version": "5.25.0",
+            "rope_parameters": rope,
+        })
+    };
+    let read = |j: serde_json::Value| -> kiln_model::Result<GptConfig> {
+        serde_json::from_value::<llama::LlamaConfig>(j)
+            .unwrap()
+            .to_gpt()
+    };
+    let scaled = read(v5(serde_json::json!({
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+    })))
+    .unwrap();
+    assert_eq!(scaled.rope_theta, 500_000.0);
+    let s = scaled.rope_scaling.expect("llama3 scaling");
+    assert_eq!(
+        (s.factor, s.original_max_position_embeddings),
+        (8.0, 16),
+        "{s:?}"
+    );
+    // the same model in the older layout reads to the same configuration
+    let mut old = llama::LlamaConfig::from_gpt(&scaled, None).unwrap();
+    old.extra.clear();
+    assert_eq!(old.to_gpt().unwrap(), scaled);
+    let plain = read(v5(
+        serde_json::json!({"rope_type": "default", "rope_theta": 10000.0}),
+    ))
+    .unwrap();
+    assert_eq!((plain.rope_theta, plain.rope_scaling), (10_000.0, None));
+    let e = read(v5(
+        serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("yarn"), "{e}");
+}

@@ -353,34 +353,64 @@ fn numpy_gpt2_matches_small_cpu_at_full_context() {
 /// and passes.
 #[test]
 fn transformers_reads_the_export_and_writes_an_importable_gpt2() {
+    let cfg = kiln_model::GptConfig::new(96, 32, 32, 2, 4);
+    transformers_round_trip("gpt2", &cfg);
+}
+
+/// The same with `LlamaForCausalLM`: grouped-query attention (4 query heads sharing 2
+/// key/value heads), an untied head and Llama 3.1's rotary scaling, both ways.
+#[test]
+fn transformers_reads_the_export_and_writes_an_importable_llama() {
+    let mut cfg = kiln_model::GptConfig::llama(96, 32, 32, 2, 4, 2, 88, 10_000.0);
+    cfg.rope_scaling = Some(kiln_model::ops::Llama3Scaling {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 16,
+    });
+    transformers_round_trip("llama", &cfg);
+}
+
+fn transformers_round_trip(arch: &str, cfg: &kiln_model::GptConfig) {
+    let name = format!("transformers_reads_the_export_and_writes_an_importable_{arch}");
     let program = std::env::var("KILN_HF_PYTHON").unwrap_or_else(|_| "python3".into());
     // not installed by CI (PyTorch is gigabytes): missing, the test skips there too
     let Some(python) = Python::optional(
         &program,
-        "transformers_reads_the_export_and_writes_an_importable_gpt2 (set KILN_HF_PYTHON to a \
-         Python that has them)",
+        &format!("{name} (set KILN_HF_PYTHON to a Python that has them)"),
         &["numpy", "torch", "transformers"],
     ) else {
         return;
     };
-    let root = test_dir("pretrained-transformers");
+    let root = test_dir(&format!("pretrained-transformers-{arch}"));
+    // `write` initialises the architecture of kiln's `cfg` in transformers (its own init) and
+    // saves it; `read` loads kiln's export
     const SCRIPT: &str = r#"
 import sys, json, warnings
 warnings.filterwarnings("ignore")
 import numpy as np, torch
-from transformers import GPT2Config, GPT2LMHeadModel
-mode, d, ids, out = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")], sys.argv[4]
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+arch, mode, d, ids, out = sys.argv[1], sys.argv[2], sys.argv[3], [int(s) for s in sys.argv[4].split(",")], sys.argv[5]
+cls = GPT2LMHeadModel if arch == "gpt2" else LlamaForCausalLM
 if mode == "write":
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4)
-    m = GPT2LMHeadModel(cfg)
+    if arch == "gpt2":
+        cfg = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    else:
+        cfg = LlamaConfig(vocab_size=96, max_position_embeddings=32, hidden_size=32,
+                          intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+                          tie_word_embeddings=False,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    m = cls(cfg)
     m.save_pretrained(d)
     info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
 else:
-    m, info = GPT2LMHeadModel.from_pretrained(d, output_loading_info=True)
+    m, info = cls.from_pretrained(d, output_loading_info=True)
 m.eval()
 with torch.no_grad():
-    logits = m(torch.tensor([ids])).logits[0].numpy().astype("<f4")
+    logits = m(torch.tensor([ids])).logits[0].float().numpy().astype("<f4")
 logits.tofile(out)
 print(json.dumps({k: sorted(map(str, info[k])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}))
 "#;
@@ -388,10 +418,11 @@ print(json.dumps({k: sorted(map(str, info[k])) for k in ("missing_keys", "unexpe
         let file = root.join(format!("{mode}.f32"));
         let list: Vec<String> = ids.iter().map(u32::to_string).collect();
         let stdout = python.run(
-            &format!("transformers ({mode})"),
+            &format!("transformers {arch} ({mode})"),
             [
                 OsStr::new("-c"),
                 OsStr::new(SCRIPT),
+                OsStr::new(arch),
                 OsStr::new(mode),
                 dir.as_os_str(),
                 OsStr::new(&list.join(",")),
@@ -410,21 +441,23 @@ print(json.dumps({k: sorted(map(str, info[k])) for k in ("missing_keys", "unexpe
             .collect()
     };
     // kiln -> transformers
-    let cfg = kiln_model::GptConfig::new(96, 32, 32, 2, 4);
-    let model = Gpt::new(&cfg, &GptOptions::seeded(3)).unwrap();
+    let model = Gpt::new(cfg, &GptOptions::seeded(3)).unwrap();
     let export = root.join("from-kiln");
-    hf::save_hf_dir(&export, &cfg, &params_of(&model), None, None).unwrap();
+    hf::save_hf_dir(&export, cfg, &params_of(&model), None, None).unwrap();
     let ids: Vec<u32> = (0..32).map(|i| (i * 37 + 5) % 96).collect();
     let worst = worst_diff(&run("read", &export, &ids), &logits_of(&model, &ids));
-    println!("transformers on kiln's export vs kiln: largest |difference| {worst:.3e}");
+    println!("{arch}: transformers on kiln's export vs kiln: largest |difference| {worst:.3e}");
     assert!(worst <= 1e-5, "{worst:e}");
     // transformers -> kiln
     let written = root.join("from-transformers");
     let reference = run("write", &written, &ids);
     let imported = Pretrained::load(&written).unwrap();
+    assert_eq!(imported.config.kv_heads(), cfg.kv_heads());
+    assert_eq!(imported.config.rope_scaling, cfg.rope_scaling);
     let worst = worst_diff(&reference, &logits_of(&model_of(&imported), &ids));
     println!(
-        "kiln on transformers' save_pretrained vs transformers: largest |difference| {worst:.3e}"
+        "{arch}: kiln on transformers' save_pretrained vs transformers: largest |difference| \
+         {worst:.3e}"
     );
     assert!(worst <= 1e-5, "{worst:e}");
 }

@@ -204,6 +204,7 @@ impl LlamaConfig {
                 ));
             }
         }
+        let (theta, scaling) = self.rope()?;
         let mut cfg = GptConfig::llama(
             self.vocab_size,
             self.max_position_embeddings,
@@ -212,14 +213,34 @@ impl LlamaConfig {
             self.num_attention_heads,
             self.num_key_value_heads.unwrap_or(self.num_attention_heads),
             self.intermediate_size,
-            self.rope_theta,
+            theta,
         );
         cfg.layer_norm_eps = self.rms_norm_eps;
-        cfg.rope_scaling = Llama3Scaling::from_hf(&self.rope_scaling)?;
+        cfg.rope_scaling = scaling;
         cfg.tied_embeddings = self.tie_word_embeddings;
         cfg.embedding_std = self.initializer_range;
         cfg.validate()?;
         Ok(cfg)
+    }
+}
+
+impl LlamaConfig {
+    /// The rotary base and scaling. `transformers` 5 writes them together as
+    /// `rope_parameters` (`{"rope_type": "default" | "llama3", "rope_theta", ...}`) with no
+    /// top-level `rope_theta` or `rope_scaling`; earlier versions (and what kiln writes, which
+    /// every version reads) keep `rope_theta` and `rope_scaling` apart. `rope_parameters`
+    /// wins where both are present.
+    fn rope(&self) -> Result<(f64, Option<Llama3Scaling>)> {
+        let Some(params) = self.extra.get("rope_parameters").filter(|v| !v.is_null()) else {
+            return Ok((self.rope_theta, Llama3Scaling::from_hf(&self.rope_scaling)?));
+        };
+        let theta = match params.get("rope_theta") {
+            None => self.rope_theta,
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| hf_err("rope_parameters.rope_theta", v, "a number"))?,
+        };
+        Ok((theta, Llama3Scaling::from_hf(params)?))
     }
 }
 
