@@ -19,7 +19,7 @@ fn one() -> usize {
 /// ```
 /// use kiln_memory::ModelShape;
 /// use kiln_parallel::ParallelDims;
-/// let shape = ModelShape { n_layers: 2, d_model: 64, n_heads: 4, ctx: 32, vocab: 256 };
+/// let shape = ModelShape::gpt(2, 64, 4, 32, 256);
 /// let dims = ParallelDims::new(2, 2, 4, &shape)?;
 /// assert_eq!((dims.dp_rank(3), dims.tp_rank(3)), (1, 1));
 /// let dims = ParallelDims::with_pipeline(2, 2, 2, 8, &shape)?;
@@ -213,13 +213,7 @@ mod tests {
     use super::*;
 
     fn shape() -> ModelShape {
-        ModelShape {
-            n_layers: 2,
-            d_model: 64,
-            n_heads: 4,
-            ctx: 32,
-            vocab: 250,
-        }
+        ModelShape::gpt(2, 64, 4, 32, 250)
     }
 
     #[test]

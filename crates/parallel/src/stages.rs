@@ -161,13 +161,7 @@ mod tests {
     use super::*;
 
     fn shape(layers: u64, vocab: u64) -> ModelShape {
-        ModelShape {
-            n_layers: layers,
-            d_model: 64,
-            n_heads: 4,
-            ctx: 32,
-            vocab,
-        }
+        ModelShape::gpt(layers, 64, 4, 32, vocab)
     }
 
     /// Every split against the brute force over all contiguous splits.
