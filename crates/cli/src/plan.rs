@@ -1,4 +1,4 @@
-//! `kiln plan-memory`: memory per rank for a GPT preset under every ZeRO stage, for a given
+//! `kiln plan-memory`: memory per rank for a GPT or Llama preset under every ZeRO stage, for a given
 //! dp x tp grid: the ZeRO paper's model-state accounting (16-bit weights and gradients, fp32
 //! master weights and Adam moments: 2 + 2 + 12 bytes per parameter) split over the
 //! data-parallel group, the activations of one micro-batch with and without activation
@@ -24,10 +24,11 @@ pub enum PlanPrecision {
 /// `kiln plan-memory`.
 #[derive(Debug, Clone, clap::Args)]
 #[command(
-    after_help = "Examples:\n  kiln plan-memory gpt3_175b --dp 64 --tp 8\n  kiln plan-memory gpt3_175b --tp 8 --pp 16 --dp 12 --micro-batches 128 --schedule 1f1b"
+    after_help = "Examples:\n  kiln plan-memory gpt3_175b --dp 64 --tp 8\n  kiln plan-memory llama3_70b --dp 8 --tp 8 --sequence-parallel\n  kiln plan-memory gpt3_175b --tp 8 --pp 16 --dp 12 --micro-batches 128 --schedule 1f1b"
 )]
 pub struct PlanArgs {
-    /// The model preset (tiny, small_cpu, gpt3_small ... gpt3_175b)
+    /// The model preset (tiny, small_cpu, gpt3_small ... gpt3_175b, llama_tiny, llama_cpu,
+    /// llama3_8b, llama3_70b, llama3_405b)
     #[arg(value_name = "PRESET", default_value = "gpt3_175b")]
     pub preset: String,
     /// Data-parallel degree
@@ -106,11 +107,20 @@ impl PlanArgs {
         })
     }
 
-    /// The model's line: parameters, shape, degrees, micro-batch and precision.
+    /// The model's line: parameters, shape (and the layout, where it is not GPT's), degrees,
+    /// micro-batch and precision.
     fn header(&self) -> anyhow::Result<String> {
-        let shape = GptConfig::by_name(&self.preset)?.shape();
+        let cfg = GptConfig::by_name(&self.preset)?;
+        let shape = cfg.shape();
+        let mut layout = String::new();
+        if !cfg.is_gpt_layout() {
+            write!(layout, "; {}, MLP width {}", cfg.describe(), shape.d_ff())?;
+            if shape.kv_replicated(self.tp) {
+                layout.push_str(", key/value projections replicated on every tp rank");
+            }
+        }
         Ok(format!(
-            "{}: {:.2}B parameters ({} layers, d_model {}, {} heads, ctx {}, vocab {}), dp={} tp={}{}, micro-batch {}, {:?}\n",
+            "{}: {:.2}B parameters ({} layers, d_model {}, {} heads, ctx {}, vocab {}{layout}), dp={} tp={}{}, micro-batch {}, {:?}\n",
             self.preset,
             shape.params() as f64 / 1e9,
             shape.n_layers,

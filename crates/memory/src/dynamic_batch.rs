@@ -19,7 +19,7 @@ use crate::segment::RecomputePolicy;
 ///     RecomputePolicy, DynamicBatch, MemPrecision, MemoryPlan, ModelShape, ZeroStage,
 /// };
 /// let plan = MemoryPlan {
-///     shape: ModelShape { n_layers: 4, d_model: 256, n_heads: 4, ctx: 128, vocab: 8192 },
+///     shape: ModelShape::gpt(4, 256, 4, 128, 8192),
 ///     precision: MemPrecision::F32, stage: ZeroStage::Replicated,
 ///     dp: 2, tp: 1, micro_batch: 1, recompute: RecomputePolicy::None, bucket_bytes: 25 << 20,
 ///     sequence_parallel: false,
@@ -138,13 +138,7 @@ mod tests {
 
     fn plan() -> MemoryPlan {
         MemoryPlan {
-            shape: ModelShape {
-                n_layers: 4,
-                d_model: 256,
-                n_heads: 4,
-                ctx: 128,
-                vocab: 8192,
-            },
+            shape: ModelShape::gpt(4, 256, 4, 128, 8192),
             precision: MemPrecision::F32,
             stage: ZeroStage::Replicated,
             dp: 2,

@@ -28,6 +28,22 @@
 //! attention output and the MLP's first product (8·s·b·h / t): the LayerNorm outputs, the GELU
 //! output and the attention scores are computed again (kiln's fused attention keeps no scores).
 //!
+//! kiln's Llama block ([`ModelShape::llama`]: pre-RMSNorm, query, key and value projections
+//! with k key/value heads of width d = h / a, rotary positions, a SwiGLU MLP of hidden width f,
+//! no biases) keeps per layer the RMSNorm inputs and outputs (4·s·b·h / rep, as above), q and
+//! the attention output (2·s·b·h / t), k and v (2·s·b·k·d / t_kv), the rotary op's inputs,
+//! held beside the rotated q and k the attention reads (s·b·h / t + s·b·k·d / t_kv), the fused
+//! gate and up product (2·s·b·f / t), the SwiGLU output (s·b·f / t), and the scores and
+//! probabilities counted as for GPT (2·a·s²·b / t, with a the query heads). Here t_kv is t where
+//! t divides k, and k where t is a multiple of k: the key/value projections are then
+//! replicated and each rank computes the one head its query heads read. In 16-bit at t = 1 that
+//! is 2·s·b·(7h + 3·k·d + 3f) + 4·a·s²·b bytes per layer. A recomputed block keeps its input
+//! (s·b·h / rep), and a selective one its RMSNorm inputs (2·s·b·h / rep), q, k, v, the rotary
+//! inputs, the attention output and the gate and up product: the RMSNorm outputs, the SwiGLU
+//! output and the scores are computed again. For both layouts the scores term of a block that
+//! keeps everything is Korthikanti et al.'s, an upper bound for kiln's fused attention, which
+//! keeps none.
+//!
 //! Under pipeline parallelism ([`MemoryPlan::estimate_stage`] with a [`PipelinePlan`]) a rank
 //! holds its stage's parameters and the activations of the micro-batches its schedule keeps in
 //! flight: GPipe all `m`, 1F1B `min(p - rank, m)`, ZB-H1 `min(p, m)`, interleaved Megatron-LM's
@@ -35,46 +51,14 @@
 //! worth of activations under 1F1B, Korthikanti et al.'s section 4.2.3 ([`PipelinePlan`] has the count).
 
 mod pipeline;
+mod shape;
 
 pub use pipeline::{PipelinePlan, PipelineSchedule, StageEstimate};
+pub use shape::ModelShape;
 
 use crate::error::{MemoryError, Result};
 use crate::segment::RecomputePolicy;
 use kiln_state::ZeroStage;
-
-/// The shape of a decoder-only transformer, as far as memory is concerned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ModelShape {
-    /// Number of transformer blocks.
-    pub n_layers: u64,
-    /// Model width.
-    pub d_model: u64,
-    /// Attention heads.
-    pub n_heads: u64,
-    /// Context length (sequence length of a micro-batch).
-    pub ctx: u64,
-    /// Vocabulary size.
-    pub vocab: u64,
-}
-
-impl ModelShape {
-    /// Parameters of a GPT-2/3 style decoder with tied embeddings, learned positions, biases and
-    /// LayerNorms: 12·L·h² + 13·L·h + (V + s)·h + 2h.
-    pub fn params(&self) -> u64 {
-        let (l, h) = (self.n_layers, self.d_model);
-        12 * l * h * h + 13 * l * h + (self.vocab + self.ctx) * h + 2 * h
-    }
-
-    /// Parameters one rank holds under tensor-parallel degree `tp` (Megatron layout: QKV, fc1
-    /// and their biases split by columns, the output projections split by rows with replicated
-    /// biases, a vocab-parallel embedding, replicated positions and LayerNorms).
-    pub fn params_per_tp_rank(&self, tp: u64) -> u64 {
-        let (l, h) = (self.n_layers, self.d_model);
-        let split = l * (12 * h * h + 3 * h + 4 * h) + self.vocab * h;
-        let replicated = l * (h + h + 4 * h) + self.ctx * h + 2 * h;
-        split / tp.max(1) + replicated
-    }
-}
 
 /// Numeric precision of the training run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -178,12 +162,48 @@ impl MemoryPlan {
                 });
             }
         }
-        if s.n_heads % self.tp != 0 || s.d_model % self.tp != 0 {
+        for (field, v) in [
+            ("n_kv_heads", s.n_kv_heads),
+            ("ffn_hidden_size", s.ffn_hidden_size),
+        ] {
+            if v == Some(0) {
+                return Err(MemoryError::Config {
+                    field,
+                    message: "must be at least 1, got 0".into(),
+                });
+            }
+        }
+        let (kv, t) = (s.kv_heads(), self.tp);
+        if s.n_heads % kv != 0 {
+            return Err(MemoryError::Config {
+                field: "n_kv_heads",
+                message: format!("n_kv_heads ({kv}) must divide n_heads ({})", s.n_heads),
+            });
+        }
+        if s.n_heads % t != 0 || s.d_model % t != 0 {
             return Err(MemoryError::Config {
                 field: "tp",
                 message: format!(
-                    "tensor_parallel_degree ({}) must divide n_heads ({}) and d_model ({})",
-                    self.tp, s.n_heads, s.d_model
+                    "tensor_parallel_degree ({t}) must divide n_heads ({}) and d_model ({})",
+                    s.n_heads, s.d_model
+                ),
+            });
+        }
+        if kv % t != 0 && t % kv != 0 {
+            return Err(MemoryError::Config {
+                field: "tp",
+                message: format!(
+                    "tensor_parallel_degree ({t}) must divide n_kv_heads ({kv}) or be a \
+                     multiple of it (each key/value head replicated over tp / n_kv_heads ranks)"
+                ),
+            });
+        }
+        if s.d_ff() % t != 0 {
+            return Err(MemoryError::Config {
+                field: "tp",
+                message: format!(
+                    "tensor_parallel_degree ({t}) must divide the MLP width ({})",
+                    s.d_ff()
                 ),
             });
         }
@@ -290,8 +310,7 @@ impl MemoryPlan {
     }
 
     fn block_params_per_rank(&self) -> u64 {
-        let h = self.shape.d_model;
-        (12 * h * h + 7 * h) / self.tp + 6 * h
+        self.shape.block_tp_params(self.tp).per_rank(self.tp)
     }
 
     /// What one micro-batch keeps, by part (see the module docs).
@@ -301,11 +320,25 @@ impl MemoryPlan {
         let c = self.precision.compute_bytes();
         // what every tensor-parallel rank holds whole, unless the rows are split
         let rep = if self.sequence_parallel { t } else { 1 };
+        // the key/value heads a rank computes: its share, or one replicated head
+        let kv_t = s.kv_divisor(t);
+        let (q, kv, f, up) = (s.q_width(), s.kv_width(), s.d_ff(), s.mlp_up_width());
+        // rotary positions: the rotation's input stays with it (grouped: q and k; fused: the
+        // whole [q | k | v] it rotates in place of)
+        let (rot_q, rot_kv) = match (s.learned_positions, s.kv_heads() == s.n_heads) {
+            (true, _) => (0, 0),
+            (false, true) => (q, 2 * kv),
+            (false, false) => (q, kv),
+        };
+        // q, k and v (and the rotary inputs), the attention output and the MLP's first product
+        let kept = sq * b * (2 * q + up + rot_q) / t + sq * b * (2 * kv + rot_kv) / kv_t;
         ActivationTerms {
-            per_layer: c * (sq * b * h * 4 / rep + sq * b * h * 12 / t + 2 * a * sq * sq * b / t),
+            // the norms' inputs and outputs, the kept part, the second MLP activation (GELU's
+            // or SwiGLU's output) and the attention scores and probabilities
+            per_layer: c * (sq * b * h * 4 / rep + kept + sq * b * f / t + 2 * a * sq * sq * b / t),
             layer_input: c * sq * b * h / rep,
-            // LayerNorm inputs, QKV, the attention output and the MLP's first product
-            selective_kept: c * (sq * b * h * 2 / rep + sq * b * h * 8 / t),
+            // the norms' inputs and the kept part
+            selective_kept: c * (sq * b * h * 2 / rep + kept),
             embedding_output: c * sq * b * h / rep,
             // logits (vocab-parallel), and with their gradient
             logits: c * sq * b * s.vocab / t,
@@ -322,9 +355,10 @@ impl MemoryPlan {
         let recomputed = self.recompute.recomputed_blocks(s.n_layers);
         let selective = self.recompute.selective_blocks(s.n_layers);
         if selective > 0 {
-            // a selective block keeps its LayerNorm inputs, QKV, the attention output and the
-            // MLP's first product; the LayerNorm outputs and the GELU output are computed
-            // again, and kiln's fused attention keeps no scores
+            // a selective block keeps its norms' inputs, q, k and v (and the rotary inputs),
+            // the attention output and the MLP's first product; the norms' outputs and the
+            // GELU or SwiGLU output are computed again, and kiln's fused attention keeps no
+            // scores
             return selective * a.selective_kept + (s.n_layers - selective) * a.per_layer + ends;
         }
         if recomputed == 0 {
@@ -357,13 +391,7 @@ mod tests {
     use super::*;
 
     fn gpt3() -> ModelShape {
-        ModelShape {
-            n_layers: 96,
-            d_model: 12288,
-            n_heads: 96,
-            ctx: 2048,
-            vocab: 50257,
-        }
+        ModelShape::gpt(96, 12288, 96, 2048, 50257)
     }
 
     fn plan(stage: ZeroStage, dp: u64) -> MemoryPlan {
@@ -402,13 +430,7 @@ mod tests {
         }
         // the paper's headline: 7.5B parameters, N = 64, ZeRO-3 -> 1.88 GB
         let mut p75 = plan(ZeroStage::Zero3, 64);
-        p75.shape = ModelShape {
-            n_layers: 32,
-            d_model: 4096,
-            n_heads: 32,
-            ctx: 2048,
-            vocab: 50257,
-        };
+        p75.shape = ModelShape::gpt(32, 4096, 32, 2048, 50257);
         let ms = p75.estimate().unwrap().model_states() as f64;
         let psi = p75.shape.params() as f64;
         assert!((ms - 16.0 * psi / 64.0).abs() < 8.0);
@@ -481,6 +503,76 @@ mod tests {
                 "{policy:?}: {split} {plain} {whole}"
             );
         }
+    }
+
+    fn llama(tp: u64, recompute: RecomputePolicy, sequence_parallel: bool) -> MemoryPlan {
+        MemoryPlan {
+            // Llama 3 70B
+            shape: ModelShape::llama(80, 8192, 64, 8, 28_672, 8192, 128_256),
+            tp,
+            recompute,
+            sequence_parallel,
+            ..plan(ZeroStage::Zero1, 8)
+        }
+    }
+
+    #[test]
+    fn llama_activations_follow_its_block() {
+        let (s, b, h, a, kd, f, v) = (
+            8192u64, 1u64, 8192u64, 64u64, 1024u64, 28_672u64, 128_256u64,
+        );
+        // 16-bit, t = 1: the embedding output, the logits and their gradient
+        let ends = 2 * s * b * h + 2 * 2 * s * b * v;
+        // the RMSNorm inputs and outputs (4h), q, the attention output and the rotary input
+        // of q (3h), k, v and the rotary input of k (3·kd), gate|up and the SwiGLU output (3f),
+        // the scores and probabilities
+        let layer = 2 * s * b * (7 * h + 3 * kd + 3 * f) + 4 * a * s * s * b;
+        assert_eq!(
+            llama(1, RecomputePolicy::None, false).activation_bytes(),
+            80 * layer + ends
+        );
+        // every block recomputed: 80 inputs, one block while it runs again
+        assert_eq!(
+            llama(1, RecomputePolicy::EveryBlock, false).activation_bytes(),
+            80 * 2 * s * b * h + layer + ends
+        );
+        // selective: the RMSNorm outputs, the SwiGLU output and the scores are dropped; the
+        // RMSNorm inputs (2h), q, its rotary input and the attention output (3h), k, v and
+        // k's rotary input (3·kd) and gate|up (2f) stay
+        let kept = 2 * s * b * (2 * h + 3 * h + 3 * kd + 2 * f);
+        assert_eq!(
+            llama(1, RecomputePolicy::Selective(1), false).activation_bytes(),
+            80 * kept + ends
+        );
+        // t = 8 divides the 8 key/value heads: everything but the norms is split, and with
+        // sequence parallelism the norms too
+        for policy in [RecomputePolicy::None, RecomputePolicy::Selective(1)] {
+            let whole = llama(1, policy, false).activation_bytes();
+            let split = llama(8, policy, true).activation_bytes();
+            assert_eq!(split, whole / 8, "{policy:?}");
+        }
+        // t = 16 replicates them: a rank computes one key/value head (k, v and k's rotary
+        // input: 3·128 columns), not a sixteenth of 8
+        let none16 = llama(16, RecomputePolicy::None, true).activation_bytes();
+        let rep16 = 2 * s * b * (7 * h + 3 * f) / 16 + 2 * s * b * 3 * 128 + 4 * a * s * s * b / 16;
+        assert_eq!(none16, 80 * rep16 + ends / 16);
+    }
+
+    #[test]
+    fn llama_degrees_must_fit_the_key_value_heads() {
+        let ok = |tp| llama(tp, RecomputePolicy::EveryBlock, false).estimate();
+        for tp in [1, 2, 4, 8, 16, 32, 64] {
+            assert!(ok(tp).is_ok(), "tp {tp}");
+        }
+        // 48 query heads of 128 sharing 16 key/value heads: 12 divides the query heads and
+        // the width, but neither divides the key/value heads nor is a multiple of them
+        let mut p = llama(12, RecomputePolicy::EveryBlock, false);
+        (p.shape.d_model, p.shape.n_heads, p.shape.n_kv_heads) = (6144, 48, Some(16));
+        let e = p.estimate().unwrap_err().to_string();
+        assert!(e.contains("(12)") && e.contains("n_kv_heads (16)"), "{e}");
+        p.shape.n_kv_heads = Some(5);
+        let e = p.estimate().unwrap_err().to_string();
+        assert!(e.contains("n_kv_heads (5) must divide n_heads (48)"), "{e}");
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //! ```
 //! use kiln_memory::{MemPrecision, MemoryPlan, ModelShape, PipelinePlan, PipelineSchedule};
 //! use kiln_memory::{RecomputePolicy, ZeroStage};
-//! let shape = ModelShape { n_layers: 96, d_model: 12288, n_heads: 96, ctx: 2048, vocab: 50257 };
+//! let shape = ModelShape::gpt(96, 12288, 96, 2048, 50257);
 //! let plan = MemoryPlan {
 //!     shape, precision: MemPrecision::Mixed16, stage: ZeroStage::Zero3,
 //!     dp: 64, tp: 1, micro_batch: 1, recompute: RecomputePolicy::EveryBlock, bucket_bytes: 25 << 20,

@@ -565,20 +565,32 @@ impl GptConfig {
         self.n_layers as u64 * self.block_param_count() + self.norm_param_count()
     }
 
-    /// The sizes kiln-memory's estimates and kiln-parallel's degree checks take
-    /// ([`kiln_memory::ModelShape`]), context `n_ctx`.
+    /// The sizes and layout kiln-memory's estimates and kiln-parallel's degree checks take
+    /// ([`kiln_memory::ModelShape`]), context `n_ctx`; its `params()` is
+    /// [`GptConfig::param_count`].
     ///
     /// ```
     /// let s = kiln_model::GptConfig::gpt3_175b().shape();
     /// assert_eq!((s.n_layers, s.d_model, s.n_heads, s.ctx, s.vocab), (96, 12288, 96, 2048, 50257));
+    /// let l = kiln_model::GptConfig::llama3_70b().shape();
+    /// assert_eq!((l.kv_heads(), l.d_ff(), l.params()), (8, 28_672, 70_553_706_496));
     /// ```
     pub fn shape(&self) -> kiln_memory::ModelShape {
         kiln_memory::ModelShape {
-            n_layers: self.n_layers as u64,
-            d_model: self.d_model as u64,
-            n_heads: self.n_heads as u64,
-            ctx: self.n_ctx as u64,
-            vocab: self.vocab_size as u64,
+            n_kv_heads: self.n_kv_heads.map(|kv| kv as u64),
+            ffn_hidden_size: self.ffn_hidden_size.map(|f| f as u64),
+            gated_mlp: self.mlp == MlpKind::SwiGlu,
+            bias: self.bias,
+            rms_norm: self.norm == NormKind::RmsNorm,
+            learned_positions: self.positions == PositionKind::Learned,
+            tied_embeddings: self.tied_embeddings,
+            ..kiln_memory::ModelShape::gpt(
+                self.n_layers as u64,
+                self.d_model as u64,
+                self.n_heads as u64,
+                self.n_ctx as u64,
+                self.vocab_size as u64,
+            )
         }
     }
 

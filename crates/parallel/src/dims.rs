@@ -19,7 +19,7 @@ fn one() -> usize {
 /// ```
 /// use kiln_memory::ModelShape;
 /// use kiln_parallel::ParallelDims;
-/// let shape = ModelShape { n_layers: 2, d_model: 64, n_heads: 4, ctx: 32, vocab: 256 };
+/// let shape = ModelShape::gpt(2, 64, 4, 32, 256);
 /// let dims = ParallelDims::new(2, 2, 4, &shape)?;
 /// assert_eq!((dims.dp_rank(3), dims.tp_rank(3)), (1, 1));
 /// let dims = ParallelDims::with_pipeline(2, 2, 2, 8, &shape)?;
@@ -41,16 +41,17 @@ pub struct ParallelDims {
 
 impl ParallelDims {
     /// Validates `dp x tp` (one pipeline stage) against the world size and the model: both at
-    /// least 1, `dp * tp == world`, and `tp` divides the heads, the width, the MLP width and the
-    /// vocabulary. Every failing factor is printed.
+    /// least 1, `dp * tp == world`, `tp` divides the heads, the width, the MLP width and the
+    /// vocabulary, and divides the key/value heads or is a multiple of them (kiln-model then
+    /// replicates them). Every failing factor is printed.
     pub fn new(dp: usize, tp: usize, world: usize, model: &ModelShape) -> Result<Self> {
         Self::with_pipeline(dp, tp, 1, world, model)
     }
 
     /// Validates `dp x tp x pp` against the world size and the model: every degree at least 1,
     /// `dp * tp * pp == world`, `tp` divides the heads, the width, the MLP width and the
-    /// vocabulary, and the model has at least one block per stage. Every failing factor is
-    /// printed.
+    /// vocabulary and divides the key/value heads or is a multiple of them, and the model has
+    /// at least one block per stage. Every failing factor is printed.
     pub fn with_pipeline(
         dp: usize,
         tp: usize,
@@ -83,10 +84,14 @@ impl ParallelDims {
         }
         if tp > 0 {
             let t = tp as u64;
+            let mlp = match model.ffn_hidden_size {
+                Some(_) => "ffn_hidden_size",
+                None => "4 * d_model",
+            };
             for (what, v) in [
                 ("n_heads", model.n_heads),
                 ("d_model", model.d_model),
-                ("4 * d_model", 4 * model.d_model),
+                (mlp, model.d_ff()),
                 ("vocab_size", model.vocab),
             ] {
                 if v % t != 0 {
@@ -94,6 +99,14 @@ impl ParallelDims {
                         "tensor_parallel_degree ({tp}) must divide {what} ({v})"
                     ));
                 }
+            }
+            // kiln-model splits the key/value heads or replicates them (kv_replicated)
+            let kv = model.kv_heads();
+            if kv != model.n_heads && kv % t != 0 && t % kv.max(1) != 0 {
+                problems.push(format!(
+                    "tensor_parallel_degree ({tp}) must divide n_kv_heads ({kv}) or be a \
+                     multiple of it (each key/value head replicated over tp / n_kv_heads ranks)"
+                ));
             }
         }
         if pp as u64 > model.n_layers.max(1) {
@@ -213,13 +226,7 @@ mod tests {
     use super::*;
 
     fn shape() -> ModelShape {
-        ModelShape {
-            n_layers: 2,
-            d_model: 64,
-            n_heads: 4,
-            ctx: 32,
-            vocab: 250,
-        }
+        ModelShape::gpt(2, 64, 4, 32, 250)
     }
 
     #[test]
@@ -250,6 +257,27 @@ mod tests {
             .to_string()
             .contains("vocab_size (250)"));
         assert!(ParallelDims::new(4, 1, 4, &shape()).is_ok());
+    }
+
+    #[test]
+    fn key_value_heads_are_split_or_replicated() {
+        // llama_cpu: 8 query heads sharing 2 key/value heads, SwiGLU hidden 704
+        let s = ModelShape::llama(4, 256, 8, 2, 704, 128, 8192);
+        for tp in [1, 2, 4, 8] {
+            assert!(ParallelDims::new(1, tp, tp, &s).is_ok(), "tp {tp}");
+        }
+        let e = ParallelDims::new(1, 5, 5, &s).unwrap_err().to_string();
+        assert!(e.contains("must divide ffn_hidden_size (704)"), "{e}");
+        // 12 query heads sharing 4: 6 divides the query heads but not the 4, nor is a multiple
+        let s = ModelShape::llama(2, 384, 12, 4, 1152, 32, 240);
+        let e = ParallelDims::new(1, 6, 6, &s).unwrap_err().to_string();
+        assert!(
+            e.contains("tensor_parallel_degree (6) must divide n_kv_heads (4) or be a multiple"),
+            "{e}"
+        );
+        assert!(!e.contains("n_heads (12)"), "{e}");
+        assert!(ParallelDims::new(1, 4, 4, &s).is_ok());
+        assert!(ParallelDims::new(1, 12, 12, &s).is_ok());
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! ```
 //! use kiln_memory::ModelShape;
 //! use kiln_parallel::ParallelDims;
-//! let shape = ModelShape { n_layers: 4, d_model: 256, n_heads: 4, ctx: 128, vocab: 8192 };
+//! let shape = ModelShape::gpt(4, 256, 4, 128, 8192);
 //! let dims = ParallelDims::new(2, 2, 4, &shape)?;
 //! assert_eq!(dims.world(), 4);
 //! # Ok::<(), kiln_parallel::ParallelError>(())

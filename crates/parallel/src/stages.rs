@@ -23,13 +23,19 @@ pub enum StageSplit {
     Blocks(Vec<usize>),
 }
 
-/// Forward FLOPs per token of each segment of a GPT-style model with `shape`: the embedding
-/// (a lookup and an add, `2h`), each block (`24h² + 4sh`: the QKV, output and MLP products and
-/// the attention over `s` positions) and the head (`2hV`, the logits).
+/// Forward FLOPs per token of each segment of a decoder with `shape`: the embedding (a lookup
+/// and an add, `2h`), each block (two FLOPs per weight of its products, plus `4sq` for the
+/// attention of `q = n_heads * head_dim` query columns over `s` positions) and the head
+/// (`2hV`, the logits). A block's products: the query and output projections (`2hq` each),
+/// the key and value ones (`2h kv` each, `kv = kv_heads * head_dim`), and the MLP (`4hf`, or
+/// `6hf` gated: gate, up and down). GPT: `24h² + 4sh`.
 pub fn segment_flops(shape: &ModelShape) -> Vec<u64> {
     let (h, s, v) = (shape.d_model, shape.ctx, shape.vocab);
+    let (q, kv, f) = (shape.q_width(), shape.kv_width(), shape.d_ff());
+    let mlp = if shape.gated_mlp { 3 * f } else { 2 * f };
+    let block = 2 * h * (2 * q + 2 * kv + mlp) + 4 * s * q;
     let mut out = vec![2 * h];
-    out.extend((0..shape.n_layers).map(|_| 24 * h * h + 4 * s * h));
+    out.extend((0..shape.n_layers).map(|_| block));
     out.push(2 * h * v);
     out
 }
@@ -161,13 +167,7 @@ mod tests {
     use super::*;
 
     fn shape(layers: u64, vocab: u64) -> ModelShape {
-        ModelShape {
-            n_layers: layers,
-            d_model: 64,
-            n_heads: 4,
-            ctx: 32,
-            vocab,
-        }
+        ModelShape::gpt(layers, 64, 4, 32, vocab)
     }
 
     /// Every split against the brute force over all contiguous splits.
@@ -265,5 +265,23 @@ mod tests {
         let big = shape(8, 65536);
         let r = stage_segments(&big, 2, &StageSplit::Balanced).unwrap();
         assert!(r[1].len() < r[0].len(), "{r:?}");
+    }
+
+    #[test]
+    fn block_flops_follow_the_layout() {
+        // GPT: 24h² + 4sh
+        let gpt = shape(2, 256);
+        assert_eq!(segment_flops(&gpt)[1], 24 * 64 * 64 + 4 * 32 * 64);
+        // Llama 3 8B: q and o 2·h² each, k and v 2·h·(8·128) each, SwiGLU 3 products of
+        // 2·h·f, and the attention 4·s·h
+        let (h, kv, f, s) = (4096u64, 1024u64, 14_336u64, 8192u64);
+        let llama = ModelShape::llama(32, h, 32, 8, f, s, 128_256);
+        let flops = segment_flops(&llama);
+        let block = 2 * 2 * h * h + 2 * 2 * h * kv + 3 * 2 * h * f + 4 * s * h;
+        assert_eq!(flops[1], block);
+        assert_eq!((flops[0], flops[33]), (2 * h, 2 * h * 128_256));
+        // two FLOPs per weight of the block's matrices (its RMSNorm weights aside)
+        let matrices = llama.params() - 2 * 128_256 * h - h - 32 * 2 * h;
+        assert_eq!(32 * (block - 4 * s * h), 2 * matrices);
     }
 }

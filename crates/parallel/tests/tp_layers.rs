@@ -261,13 +261,7 @@ fn mlp_on_the_tp_groups_of_a_dp_by_tp_grid_matches_dense() {
     // tensor-parallel pair; the collectives must stay inside the pair
     let d = 8;
     let m = Mlp::new(d, 31);
-    let shape = ModelShape {
-        n_layers: 1,
-        d_model: d as u64,
-        n_heads: 2,
-        ctx: 8,
-        vocab: 16,
-    };
+    let shape = ModelShape::gpt(1, d as u64, 2, 8, 16);
     let data = |dp: usize| {
         (
             uniform(&[2, 3, d], 40 + dp as u64, 1.0),

@@ -1,5 +1,5 @@
 //! Memory of one pipeline rank: the parameters of its stage's blocks (plus the embedding on the
-//! first stage and the tied copy on the last) under ZeRO inside the stage's data-parallel
+//! first stage and the head or the tied copy on the last) under ZeRO inside the stage's data-parallel
 //! group, and the activations of the micro-batches its schedule holds at once.
 //!
 //! (The accounting is documented on [`PipelinePlan`].)
@@ -73,10 +73,11 @@ impl FromStr for PipelineSchedule {
 ///
 /// The rank layout is Megatron-LM's: a rank holds model stages `chunk * pp + rank` for its
 /// `virtual_stages` chunks (one chunk unless the schedule is interleaved), so model stage 0
-/// (the embedding) is on rank 0 and the last model stage (the final LayerNorm, the head and the
+/// (the embedding) is on rank 0 and the last model stage (the final norm, the head and the
 /// loss) on rank `pp - 1`. With `pp > 1` the last stage holds a copy of the tied word embedding
 /// (Megatron's way), so the stages together hold the one-stage model's parameters plus
-/// `vocab * d_model / tp`.
+/// `vocab * d_model / tp`; an untied head (Llama) is the last stage's own, and the stages
+/// together hold the model once.
 ///
 /// Activations in flight on rank `r` of `p` with `m` micro-batches, counted in micro-batches of
 /// one model chunk:
@@ -352,13 +353,16 @@ impl MemoryPlan {
                 };
             }
             if k == 0 {
-                // the word embedding (vocab-parallel) and the positions
-                psi += s.vocab * h / t + s.ctx * h;
+                // the word embedding (vocab-parallel) and the learned positions
+                let positions = if s.learned_positions { s.ctx * h } else { 0 };
+                psi += s.vocab * h / t + positions;
                 bytes += a.embedding_output;
             }
             if k == last_stage {
-                // the final LayerNorm, and the tied embedding's copy on another rank
-                psi += 2 * h + if p > 1 { s.vocab * h / t } else { 0 };
+                // the final norm, and an untied head or the tied embedding's copy on another
+                // rank (vocab-parallel)
+                let head = !s.tied_embeddings || p > 1;
+                psi += s.norm_params() + if head { s.vocab * h / t } else { 0 };
                 bytes += a.logits;
             }
             chunk_bytes.push(bytes);
@@ -406,13 +410,7 @@ mod tests {
     use crate::{MemPrecision, RecomputePolicy, ZeroStage};
 
     fn gpt3() -> ModelShape {
-        ModelShape {
-            n_layers: 96,
-            d_model: 12288,
-            n_heads: 96,
-            ctx: 2048,
-            vocab: 50257,
-        }
+        ModelShape::gpt(96, 12288, 96, 2048, 50257)
     }
 
     fn plan(stage: ZeroStage, dp: u64, tp: u64) -> MemoryPlan {
@@ -458,6 +456,30 @@ mod tests {
                     assert_eq!(g.in_flight, 8);
                     assert!(g.memory.activations > p.activation_bytes());
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn an_untied_head_is_the_last_stages_own() {
+        // Llama 3 70B: the stages hold the model once, the head on the last
+        let s = ModelShape::llama(80, 8192, 64, 8, 28_672, 8192, 128_256);
+        for tp in [1, 8, 16] {
+            let p = MemoryPlan {
+                shape: s,
+                ..plan(ZeroStage::Zero1, 8, tp)
+            };
+            for (pp, v) in [(1, 1), (4, 1), (8, 2)] {
+                let schedule = if v > 1 {
+                    PipelineSchedule::Interleaved
+                } else {
+                    PipelineSchedule::OneFOneB
+                };
+                let stages = p
+                    .estimate_pipeline(&PipelinePlan::new(pp, v, 2 * pp, schedule))
+                    .unwrap();
+                let psi: u64 = stages.iter().map(|e| e.memory.params_per_rank).sum();
+                assert_eq!(psi, s.params_per_tp_rank(tp), "pp {pp} v {v} tp {tp}");
             }
         }
     }

@@ -194,3 +194,42 @@ fn config_round_trips_through_json_with_defaults() {
         GptConfig::tiny()
     );
 }
+
+#[test]
+fn the_memory_shape_counts_what_the_model_holds() {
+    // kiln-memory's count of the whole model is the config's, for every preset
+    for name in PRESET_NAMES {
+        let c = GptConfig::by_name(name).unwrap();
+        assert_eq!(c.shape().params(), c.param_count(), "{name}");
+    }
+    // and its count per tensor-parallel rank is what each rank of the model holds: the query
+    // heads split, the key/value heads split where the degree divides them (llama_tiny's 2 at
+    // tp = 2) and replicated where it is a multiple of them (tp = 4), the norms replicated, the
+    // embedding and an untied head vocab-parallel
+    for (c, tps) in [
+        (GptConfig::tiny(), &[1usize, 2, 4][..]),
+        (GptConfig::llama_tiny(), &[1, 2, 4]),
+        (GptConfig::llama_cpu(), &[1, 2, 4]),
+    ] {
+        let shape = c.shape();
+        for &tp in tps {
+            let held = kiln_testkit::run_ranks(tp, |comm| {
+                let comm: kiln_parallel::tp::TpComm = std::sync::Arc::new(comm);
+                let m = crate::Gpt::tensor_parallel(&c, &crate::GptOptions::seeded(3), comm)?;
+                Ok(m.num_parameters() as u64)
+            });
+            let want = shape.params_per_tp_rank(tp as u64);
+            assert!(
+                held.iter().all(|&n| n == want),
+                "{c:?} tp {tp}: {held:?} vs {want}"
+            );
+            let replicated = crate::kv_replicated(c.n_heads, c.kv_heads(), tp).unwrap();
+            assert_eq!(shape.kv_replicated(tp as u64), replicated, "tp {tp}");
+        }
+    }
+    // llama_cpu at tp = 4: its k and v projections (4 layers x 2 x 256 x 64) whole on every rank
+    assert_eq!(
+        GptConfig::llama_cpu().shape().params_per_tp_rank(4),
+        1_853_696
+    );
+}
